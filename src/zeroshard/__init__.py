@@ -1,0 +1,27 @@
+"""zeroshard: ZeRO stages 0–3 for PyTorch, a planner, and a byte ledger.
+
+``import zeroshard`` stays light: the engine (and torch) load on first use of an
+engine name, so ``zeroshard.plan`` and ``zeroshard plan`` never import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported on first attribute access (PEP 562).
+_LAZY = {
+    "init_distributed": "zeroshard.runtime.dist",
+    "shard": "zeroshard.runtime.sharded",
+    "ShardedModel": "zeroshard.runtime.sharded",
+    "ZeroConfig": "zeroshard.runtime.config",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zeroshard' has no attribute {name!r}")

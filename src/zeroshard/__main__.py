@@ -1,0 +1,3 @@
+from zeroshard.cli import main
+
+raise SystemExit(main())

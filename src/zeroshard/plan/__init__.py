@@ -1,0 +1,35 @@
+"""The planner: memory per GPU by category and communication per step, before a run.
+
+Pure Python — importing this package never imports torch.
+
+>>> from zeroshard.plan import ModelSpec, plan_all, get_recipe
+>>> model = ModelSpec("7B-style", 6_738_149_376, hidden=4096, layers=32)
+>>> plans = plan_all(model, 8, get_recipe("bf16-mixed-adamw"))
+>>> [round(p.total / 1e9, 2) for p in plans]
+[108.63, 37.88, 26.09, 14.3]
+"""
+
+from .advice import MinGpus, first_fit, floor_bytes, min_gpus, why_none_fits
+from .arch import PRESETS, Architecture, ModelSpec, from_hf_config, get_preset
+from .memory import (
+    STRATEGIES,
+    StrategyPlan,
+    Workload,
+    activation_bytes,
+    comm_bytes,
+    model_state_bytes,
+    plan_all,
+    plan_strategy,
+    ring_all_reduce,
+    ring_one_way,
+    stage_of,
+)
+from .recipes import DEFAULT_RECIPE, DTYPE_BYTES, RECIPES, Recipe, get_recipe
+
+__all__ = [
+    "Architecture", "DEFAULT_RECIPE", "DTYPE_BYTES", "MinGpus", "ModelSpec", "PRESETS",
+    "RECIPES", "Recipe", "STRATEGIES", "StrategyPlan", "Workload", "activation_bytes",
+    "comm_bytes", "first_fit", "floor_bytes", "from_hf_config", "get_preset", "get_recipe",
+    "min_gpus", "model_state_bytes", "plan_all", "plan_strategy", "ring_all_reduce",
+    "ring_one_way", "stage_of", "why_none_fits",
+]

@@ -1,0 +1,99 @@
+"""Advice: which strategy fits, the fewest GPUs that fit, and the floors that stop it.
+
+Replicated categories set a floor that no number of GPUs removes: as N grows,
+ZeRO-1 tends to (weights + grads)·P (4P for 2/2/12), ZeRO-2 to weights·P (2P),
+DDP never shrinks, and only ZeRO-3 keeps falling (to the activations alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arch import ModelSpec
+from .memory import STRATEGIES, Workload, plan_strategy, stage_of
+from .recipes import Recipe
+
+#: Largest GPU count :func:`min_gpus` searches.
+MAX_GPUS = 1 << 20
+
+
+def floor_bytes(model: ModelSpec, recipe: Recipe, strategy) -> int:
+    """Per-GPU model-state bytes that stay however many GPUs share the work: the
+    replicated categories (4P for ZeRO-1 under 2/2/12). Activations come on top."""
+    stage = stage_of(strategy)
+    per_param = (
+        (recipe.weight_bytes if stage < 3 else 0)
+        + (recipe.grad_bytes if stage < 2 else 0)
+        + (recipe.optimizer_bytes if stage < 1 else 0)
+    )
+    return per_param * model.params
+
+
+def gpu_counts(step: int | None, limit: int = MAX_GPUS) -> list[int]:
+    """Candidate GPU counts: powers of two (``step`` None, as a cluster is usually
+    carved), else 1 and the multiples of ``step`` (``step=8``: whole 8-GPU nodes)."""
+    if step is None:
+        return [1 << k for k in range(limit.bit_length()) if 1 << k <= limit]
+    if step <= 0:
+        raise ValueError(f"gpu step {step} must be positive")
+    return sorted({1, *range(step, limit + 1, step)})
+
+
+@dataclass(frozen=True)
+class MinGpus:
+    """The fewest GPUs at which a strategy fits, or why none does."""
+
+    strategy: str
+    gpus: int | None
+    """None: it never fits (its floor is at or above the budget)."""
+    total: int | None
+    """Per-GPU bytes at ``gpus``."""
+    floor: int
+    """Per-GPU model-state bytes as N grows without bound (activations excluded)."""
+
+    def as_dict(self) -> dict:
+        return {"strategy": self.strategy, "gpus": self.gpus, "total": self.total,
+                "floor": self.floor}
+
+
+def min_gpus(model: ModelSpec, recipe: Recipe, strategy, budget: int,
+             work: Workload | None = None, step: int | None = None) -> MinGpus:
+    """The smallest candidate N (see :func:`gpu_counts`) whose per-GPU total fits
+    ``budget``. Per-GPU memory never grows with N, so a binary search finds it."""
+    name = STRATEGIES[stage_of(strategy)]
+    floor = floor_bytes(model, recipe, strategy)
+    counts = gpu_counts(step)
+
+    def total(i: int) -> int:
+        return plan_strategy(model, counts[i], recipe, strategy, work, budget).total
+
+    if total(len(counts) - 1) > budget:
+        return MinGpus(name, None, None, floor)
+    lo, hi = 0, len(counts) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if total(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return MinGpus(name, counts[lo], total(lo), floor)
+
+
+def first_fit(plans) -> str | None:
+    """The first strategy in DDP → ZeRO-3 order that fits, or None."""
+    for p in plans:
+        if p.fits:
+            return p.strategy
+    return None
+
+
+def why_none_fits(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
+                  work: Workload | None = None) -> str:
+    """One sentence on why no strategy fits at ``gpus`` GPUs."""
+    need = min_gpus(model, recipe, "ZeRO-3", budget, work)
+    if need.gpus is None:
+        return (
+            "nothing fits: even ZeRO-3 tends to its activations alone, which are above the "
+            f"budget of {budget:,} bytes; shorten the micro-batch or checkpoint activations"
+        )
+    return f"nothing fits on {gpus} GPUs; ZeRO-3 fits from {need.gpus} GPUs"

@@ -1,0 +1,178 @@
+"""zeroshard plan — which ZeRO stage fits, and what it costs on the wire.
+
+Memory per GPU by category (weights, gradients, optimizer state, activations) for
+DDP and ZeRO-1/2/3, communication per GPU per step, and the first strategy that fits.
+Figures are decimal GB (1e9 bytes) unless --gib is given.
+
+examples:
+  zeroshard plan --model llama2-7b --gpus 8
+  zeroshard plan --params 6738149376 --hidden 4096 --layers 32 --gpu-mem 24
+  zeroshard plan --model llama2-70b --min-gpus
+  zeroshard plan --hf-config path/to/config.json --sweep 8,16,32,64 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import advice, render
+from .arch import PRESETS, Architecture, ModelSpec, from_hf_config, get_preset
+from .memory import STRATEGIES, Workload, plan_all, stage_of
+from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
+
+_DIM_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model (one of --model, --hf-config, --params, or dimensions)")
+    m.add_argument("--model", metavar="NAME",
+                   help="a preset (see --list-models); the default is llama2-7b")
+    m.add_argument("--list-models", action="store_true", help="list the presets and exit")
+    m.add_argument("--hf-config", metavar="PATH",
+                   help="a Hugging Face config.json (llama, mistral, qwen2, gpt2, gpt_neox)")
+    m.add_argument("--params", type=int, metavar="N",
+                   help="a bare parameter count; give --hidden and --layers to model activations")
+    m.add_argument("--hidden", type=int, help="model width h")
+    m.add_argument("--layers", type=int, help="transformer blocks L")
+    m.add_argument("--heads", type=int, help="attention heads")
+    m.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    m.add_argument("--ffn", type=int, help="MLP inner width (a llama-style gated MLP)")
+    m.add_argument("--vocab", type=int, help="vocabulary size")
+    m.add_argument("--tied", action="store_true", help="the output head shares the embedding")
+
+    h = p.add_argument_group("hardware and recipe")
+    h.add_argument("--gpus", type=int, default=8, help="data-parallel GPUs N (default 8)")
+    h.add_argument("--gpu-mem", type=float, default=80.0,
+                   help="memory per GPU in GB (GiB with --gib); default 80")
+    h.add_argument("--gib", action="store_true", help="every figure in GiB instead of GB")
+    h.add_argument("--precision", default=DEFAULT_RECIPE, metavar="RECIPE",
+                   help=f"one of {', '.join(RECIPES)}, or custom bytes W/G/O "
+                        f"(default {DEFAULT_RECIPE})")
+    h.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"),
+                   help="dtype gradients travel in (default: the recipe's gradient dtype)")
+
+    a = p.add_argument_group("activations")
+    a.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (default 2048)")
+    a.add_argument("--seq-len", type=int, help="sequence length for the attention term "
+                                               "(default: --tokens)")
+    a.add_argument("--no-checkpointing", action="store_true",
+                   help="no activation checkpointing: Korthikanti et al.'s per-layer formula")
+    a.add_argument("--flash-attention", action="store_true",
+                   help="with --no-checkpointing: attention scores are never stored")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--strategy", help="show one strategy: DDP, ZeRO-1, ZeRO-2 or ZeRO-3")
+    o.add_argument("--min-gpus", action="store_true",
+                   help="the fewest GPUs at which each strategy fits --gpu-mem")
+    o.add_argument("--gpu-step", type=int, metavar="K",
+                   help="with --min-gpus: search 1 and multiples of K (8 = whole nodes) "
+                        "instead of powers of two")
+    o.add_argument("--sweep", metavar="N,N,...", help="the table over these GPU counts")
+    o.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="stacked bars per strategy with the budget line")
+
+
+def resolve_model(args) -> ModelSpec:
+    """The model from exactly one source; contradictory flags are an error."""
+    dims = [f for f in _DIM_FLAGS if getattr(args, f) is not None] + (["tied"] if args.tied else [])
+    flag = lambda f: "--" + f.replace("_", "-")  # noqa: E731
+    if args.model and args.hf_config:
+        raise ValueError("--model and --hf-config contradict each other; give one")
+    for source in ("model", "hf_config"):
+        if getattr(args, source) and (dims or args.params is not None):
+            other = "--params" if args.params is not None else flag(dims[0])
+            raise ValueError(f"{flag(source)} and {other} contradict each other; give one")
+    if args.model:
+        return ModelSpec.from_arch(get_preset(args.model))
+    if args.hf_config:
+        return ModelSpec.from_arch(from_hf_config(args.hf_config))
+    if args.params is not None:
+        extra = [d for d in dims if d not in ("hidden", "layers", "heads")]
+        if extra:
+            raise ValueError(f"{flag(extra[0])} has no effect with --params (the count is given)")
+        return ModelSpec("custom", args.params, args.hidden, args.layers,
+                         args.heads)
+    if dims:
+        missing = [flag(f) for f in ("hidden", "layers", "heads", "ffn", "vocab")
+                   if getattr(args, f) is None]
+        if missing:
+            raise ValueError(f"model dimensions are incomplete: missing {', '.join(missing)}")
+        return ModelSpec.from_arch(Architecture(
+            "custom", args.hidden, args.layers, args.heads, args.ffn, args.vocab,
+            kv_heads=args.kv_heads, tied=args.tied))
+    return ModelSpec.from_arch(PRESETS["llama2-7b"])
+
+
+def _positive(name: str, value) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"--{name}={value} must be positive")
+
+
+def _sweep(spec: str) -> list[int]:
+    try:
+        counts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--sweep={spec!r} must be comma-separated GPU counts, e.g. 8,16,32") from None
+    if not counts or any(n <= 0 for n in counts):
+        raise ValueError(f"--sweep={spec!r} must list positive GPU counts, e.g. 8,16,32")
+    return counts
+
+
+def run(args) -> int:
+    if args.list_models:
+        render.models(PRESETS)
+        return 0
+    for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", *_DIM_FLAGS):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if args.flash_attention and not args.no_checkpointing:
+        raise ValueError("--flash-attention only applies with --no-checkpointing")
+    model = resolve_model(args)
+    recipe = get_recipe(args.precision)
+    if args.reduce_dtype:
+        recipe = recipe.with_reduce_dtype(args.reduce_dtype)
+    work = Workload(args.tokens, args.seq_len, not args.no_checkpointing, args.flash_attention)
+    unit = 2**30 if args.gib else 10**9
+    budget = int(args.gpu_mem * unit)
+    shown = [STRATEGIES[stage_of(args.strategy)]] if args.strategy else list(STRATEGIES)
+    sweep = _sweep(args.sweep) if args.sweep else None
+
+    plans = plan_all(model, args.gpus, recipe, work, budget)
+    fit = advice.first_fit(plans)
+    if args.gpu_step is not None and not args.min_gpus:
+        raise ValueError("--gpu-step only applies with --min-gpus")
+    _positive("gpu-step", args.gpu_step)
+    mins = [advice.min_gpus(model, recipe, s, budget, work, args.gpu_step)
+            for s in STRATEGIES] if args.min_gpus else None
+    sweep_plans = {n: plan_all(model, n, recipe, work, budget) for n in sweep} if sweep else None
+
+    if args.json:
+        out = {
+            "model": model.name, "params": model.params, "gpus": args.gpus,
+            "recipe": recipe.name, "tokens": work.tokens, "budget": budget,
+            "first_fit": fit,
+            "strategies": [p.as_dict() for p in plans if p.strategy in shown],
+        }
+        if mins is not None:
+            out["min_gpus"] = [m.as_dict() for m in mins if m.strategy in shown]
+        if sweep_plans is not None:
+            out["sweep"] = {str(n): [p.as_dict() for p in ps if p.strategy in shown]
+                            for n, ps in sweep_plans.items()}
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render.plan_table(model, recipe, work, args.gpus, budget, plans, shown, unit, args.gib)
+        if fit is None:
+            render.line(advice.why_none_fits(model, recipe, args.gpus, budget, work))
+        else:
+            render.line(f"first fit on {args.gpus} GPUs: {fit}")
+        if mins is not None:
+            render.min_gpus_table(mins, shown, budget, unit, args.gib, args.gpu_step)
+        if sweep_plans is not None:
+            render.sweep_table(sweep_plans, shown, unit, args.gib)
+    if args.plot:
+        render.plot(args.plot, model, recipe, args.gpus, budget, plans, shown, unit, args.gib)
+    return 0

@@ -1,0 +1,188 @@
+"""The memory and communication model: bytes per GPU by category, bytes on the wire.
+
+Stage k shards the first k of (optimizer state, gradients, weights) over N ranks
+(ZeRO paper, section 5). With the 2/2/12 recipe:
+
+    DDP     16P            ZeRO-2  2P + 14P/N
+    ZeRO-1  4P + 12P/N     ZeRO-3  16P/N
+
+Communication per GPU per step uses ring accounting (ZeRO paper, section 7): an
+all-reduce of T bytes sends 2(N-1)/N·T, a reduce-scatter or all-gather (N-1)/N·T.
+DDP all-reduces the gradients; ZeRO-1/2 reduce-scatter them and all-gather the
+updated weights; ZeRO-3 gathers the weights twice (forward and backward), so it moves
+1.5× DDP's bytes when gradients and weights travel in the same dtype.
+
+Activations are not sharded (each rank runs its own micro-batch):
+
+- with activation checkpointing, the layer inputs plus one layer's recompute:
+  ``tokens·h·(L + 17)·bytes`` — L inputs of ``tokens·h`` elements, and Korthikanti
+  et al.'s 34·tokens·h 16-bit bytes (= 17 elements) for the layer being recomputed;
+- without it, Korthikanti et al.'s per-layer ``tokens·h·(34 + 5·a·s/h)`` 16-bit bytes,
+  or ``34·tokens·h`` when flash attention never stores the s×s scores.
+
+Every figure is an integer number of bytes; sharded figures round up (a rank holds
+whole elements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .arch import ModelSpec
+from .recipes import Recipe
+
+STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one rank processes per micro-batch; drives the activation model."""
+
+    tokens: int = 2048
+    """Tokens per micro-batch per GPU (sequence length × micro-batch size)."""
+    seq_len: int | None = None
+    """Sequence length s for the attention term; None means ``tokens`` (batch 1)."""
+    checkpointing: bool = True
+    """Activation checkpointing: keep layer inputs only, recompute in backward."""
+    flash_attention: bool = False
+    """Without checkpointing: attention scores are never stored (drops 5·a·s/h)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ValueError(f"tokens={self.tokens!r} must be a positive integer")
+        if self.seq_len is not None:
+            if not isinstance(self.seq_len, int) or self.seq_len <= 0:
+                raise ValueError(f"seq_len={self.seq_len!r} must be a positive integer")
+            if self.tokens % self.seq_len:
+                raise ValueError(
+                    f"tokens={self.tokens} is not a multiple of seq_len={self.seq_len}"
+                )
+
+
+def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload) -> int | None:
+    """Activation bytes per GPU, or None when the model's shape is unknown."""
+    if not model.activations_modelled:
+        return None
+    h, layers, b = model.hidden, model.layers, recipe.activation_bytes
+    if work.checkpointing:
+        return work.tokens * h * (layers + 17) * b
+    per_layer_16bit = 34 * work.tokens * h  # Korthikanti et al., eq. 2, without the scores
+    if not work.flash_attention:
+        if model.heads is None:
+            return None
+        s = work.seq_len or work.tokens
+        per_layer_16bit += 5 * model.heads * s * work.tokens
+    return layers * per_layer_16bit * b // 2
+
+
+def ring_all_reduce(t: int, n: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of t bytes: 2(N-1)/N·t."""
+    return _ceil_div(2 * (n - 1) * t, n)
+
+
+def ring_one_way(t: int, n: int) -> int:
+    """Bytes one rank sends in a ring reduce-scatter or all-gather of t bytes: (N-1)/N·t."""
+    return _ceil_div((n - 1) * t, n)
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """Bytes per GPU for one strategy."""
+
+    strategy: str
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int | None
+    comm: int
+    """Bytes sent per GPU per step."""
+    budget: int | None = None
+    """GPU memory in bytes, when one was given."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + (self.activations or 0)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget is None else self.total <= self.budget
+
+    def as_dict(self) -> dict:
+        return {
+            "strategy": self.strategy,
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "total": self.total,
+            "comm": self.comm,
+            "fits": self.fits,
+        }
+
+
+def stage_of(strategy: str | int) -> int:
+    """0–3 from a strategy name ("DDP", "ZeRO-2", "zero3", "2") or a stage number."""
+    if isinstance(strategy, int) and 0 <= strategy <= 3:
+        return strategy
+    key = str(strategy).strip().lower().replace("-", "").replace("_", "")
+    names = {"ddp": 0, "0": 0, "zero0": 0, "zero1": 1, "1": 1, "zero2": 2, "2": 2,
+             "zero3": 3, "3": 3, "fsdp": 3}
+    if key not in names:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)} or 0-3"
+        )
+    return names[key]
+
+
+def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int) -> tuple[int, int, int]:
+    """(weights, grads, optimizer) bytes per GPU: stage k shards the first k of
+    (optimizer, grads, weights)."""
+    def part(bytes_per_param: int, sharded: bool) -> int:
+        total = bytes_per_param * params
+        return _ceil_div(total, gpus) if sharded else total
+
+    return (
+        part(recipe.weight_bytes, stage >= 3),
+        part(recipe.grad_bytes, stage >= 2),
+        part(recipe.optimizer_bytes, stage >= 1),
+    )
+
+
+def comm_bytes(params: int, gpus: int, recipe: Recipe, stage: int) -> int:
+    """Bytes one GPU sends per step under ring accounting."""
+    grads = recipe.reduce_bytes * params
+    weights = recipe.weight_bytes * params
+    if stage == 0:
+        return ring_all_reduce(grads, gpus)
+    gathers = 2 if stage == 3 else 1  # ZeRO-3 gathers for forward and again for backward
+    return ring_one_way(grads, gpus) + gathers * ring_one_way(weights, gpus)
+
+
+def plan_strategy(
+    model: ModelSpec,
+    gpus: int,
+    recipe: Recipe,
+    strategy: str | int,
+    work: Workload | None = None,
+    budget: int | None = None,
+) -> StrategyPlan:
+    """Per-GPU bytes of one strategy at ``gpus`` ranks."""
+    if not isinstance(gpus, int) or gpus <= 0:
+        raise ValueError(f"gpus={gpus!r} must be a positive integer")
+    stage = stage_of(strategy)
+    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage)
+    return StrategyPlan(
+        STRATEGIES[stage], weights, grads, optimizer,
+        activation_bytes(model, recipe, work or Workload()),
+        comm_bytes(model.params, gpus, recipe, stage),
+        budget,
+    )
+
+
+def plan_all(model, gpus, recipe, work=None, budget=None) -> list[StrategyPlan]:
+    """One :class:`StrategyPlan` per strategy, DDP first."""
+    return [plan_strategy(model, gpus, recipe, s, work, budget) for s in range(4)]

@@ -1,0 +1,111 @@
+"""Tables and charts for the planner (rich and matplotlib; never torch)."""
+
+from __future__ import annotations
+
+import shutil
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _console() -> Console:
+    # Wide enough for the plan table even when stdout is a pipe.
+    return Console(width=max(shutil.get_terminal_size((120, 24)).columns, 110), highlight=False)
+
+
+def _fmt(value: int | None, unit: int, decimals: int = 2) -> str:
+    return "n/a" if value is None else f"{value / unit:.{decimals}f}"
+
+
+def line(text: str) -> None:
+    _console().print(text)
+
+
+def models(presets) -> None:
+    t = Table(title="model presets")
+    for col in ("name", "params", "hidden", "layers", "heads", "kv heads", "ffn", "vocab", "tied"):
+        t.add_column(col, justify="left" if col == "name" else "right")
+    for a in presets.values():
+        t.add_row(a.name, f"{a.params:,}", str(a.hidden), str(a.layers), str(a.heads),
+                  str(a.kv_heads or a.heads), str(a.ffn), str(a.vocab), "yes" if a.tied else "no")
+    _console().print(t)
+
+
+def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> None:
+    u = "GiB" if gib else "GB"
+    act = "checkpointing" if work.checkpointing else (
+        "no checkpointing, flash attention" if work.flash_attention else "no checkpointing")
+    title = (f"{model.name} (P = {model.params:,}), N = {gpus} GPUs, {recipe.name} "
+             f"({recipe.total_bytes} bytes/param), {work.tokens:,} tokens, {act}")
+    t = Table(title=title, title_justify="left")
+    for col in ("strategy", "weights", "grads", "optim", "activ", f"total {u}", f"comm {u}",
+                "vs DDP", f"fits {budget / unit:g} {u}"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    ddp_comm = plans[0].comm
+    for p in plans:
+        if p.strategy not in shown:
+            continue
+        ratio = f"{p.comm / ddp_comm:.2f}x" if ddp_comm else "n/a"
+        t.add_row(p.strategy, _fmt(p.weights, unit), _fmt(p.grads, unit), _fmt(p.optimizer, unit),
+                  _fmt(p.activations, unit, 3), _fmt(p.total, unit), _fmt(p.comm, unit), ratio,
+                  "yes" if p.fits else "no")
+    _console().print(t)
+    if plans[0].activations is None:
+        line("activations: not modelled (give --hidden and --layers)")
+
+
+def min_gpus_table(mins, shown, budget, unit, gib, step) -> None:
+    u = "GiB" if gib else "GB"
+    counts = "powers of two" if step is None else f"1 or multiples of {step}"
+    t = Table(title=f"fewest GPUs that fit {budget / unit:g} {u} ({counts})", title_justify="left")
+    for col in ("strategy", "GPUs", f"per GPU {u}", f"state floor {u}"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for m in mins:
+        if m.strategy in shown:
+            gpus = "never" if m.gpus is None else str(m.gpus)
+            t.add_row(m.strategy, gpus, _fmt(m.total, unit), _fmt(m.floor, unit, 1))
+    _console().print(t)
+
+
+def sweep_table(sweep_plans, shown, unit, gib) -> None:
+    u = "GiB" if gib else "GB"
+    t = Table(title=f"total per GPU ({u}) over GPU counts", title_justify="left")
+    t.add_column("GPUs", justify="right")
+    for s in shown:
+        t.add_column(s, justify="right")
+    for n, plans in sweep_plans.items():
+        by = {p.strategy: p for p in plans}
+        t.add_row(str(n), *(_fmt(by[s].total, unit) + ("" if by[s].fits else " ✗") for s in shown))
+    _console().print(t)
+
+
+def plot(path, model, recipe, gpus, budget, plans, shown, unit, gib) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    u = "GiB" if gib else "GB"
+    rows = [p for p in plans if p.strategy in shown]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    bottom = [0.0] * len(rows)
+    names = [p.strategy for p in rows]
+    for cat, color in (("weights", "#4C72B0"), ("grads", "#DD8452"), ("optimizer", "#55A868"),
+                       ("activations", "#C44E52")):
+        vals = [(getattr(p, cat) or 0) / unit for p in rows]
+        bars = ax.bar(names, vals, bottom=bottom, label=cat, color=color)
+        for bar, v, b in zip(bars, vals, bottom):
+            if v > 0.06 * max(p.total / unit for p in rows):
+                ax.text(bar.get_x() + bar.get_width() / 2, b + v / 2, f"{cat}\n{v:.1f}",
+                        ha="center", va="center", fontsize=7, color="white")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.axhline(budget / unit, color="black", linestyle="--", linewidth=1)
+    ax.text(len(rows) - 0.5, budget / unit, f" budget {budget / unit:g} {u}", va="bottom",
+            ha="right", fontsize=8)
+    ax.set_ylabel(f"{u} per GPU")
+    ax.set_title(f"{model.name}, {gpus} GPUs, {recipe.name}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    line(f"wrote {path}")

@@ -1,0 +1,1 @@
+"""The engine: process groups, units and their shards, hooks, collectives, optimizer glue."""

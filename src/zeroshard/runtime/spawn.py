@@ -1,0 +1,107 @@
+"""Run one function on N local processes joined by a real process group.
+
+Used by the tests, the demo and the benchmarks: each rank is a fresh Python process
+(``spawn`` start method) that joins a gloo (CPU) or NCCL (CUDA) group through a file
+store, so no port can collide. A rank that raises has its traceback reported; the other
+ranks, likely blocked in a collective by then, are killed; and a group that does not
+finish within ``timeout`` seconds is killed and reported instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+#: Seconds to wait for other ranks' tracebacks once one rank has failed.
+_GRACE = 3.0
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, or the group ran past its timeout."""
+
+    def __init__(self, message: str, tracebacks: dict[int, str]):
+        super().__init__(message)
+        self.tracebacks = tracebacks
+
+
+def _worker(fn, rank, world_size, store_path, backend, timeout, results, args, threads):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        out = fn(*args)
+        results.put(("ok", rank, out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0,
+          threads: int = 1) -> list:
+    """Call ``fn(*args)`` on ``world_size`` ranks; return each rank's result, in rank order.
+
+    ``fn`` must be importable by name (a module-level function) and its result picklable.
+    Raises :class:`RankFailure` with every failing rank's traceback."""
+    import multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="zeroshard-spawn-")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, daemon=True,
+                    args=(fn, r, world_size, os.path.join(tmp, "store"), backend, timeout,
+                          results, args, threads))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(errors) < world_size:
+            now = time.monotonic()
+            limit = min(deadline, now + _GRACE) if errors else deadline
+            if now >= limit:
+                break
+            try:
+                status, rank, payload = results.get(timeout=min(0.5, limit - now))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in outputs and r not in errors]
+                for r in dead:  # killed by a signal or os._exit: nothing was reported
+                    errors[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                continue
+            (outputs if status == "ok" else errors)[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if errors:
+        body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{body}", errors)
+    if len(outputs) < world_size:
+        missing = sorted(set(range(world_size)) - set(outputs))
+        raise RankFailure(f"ranks {missing} did not finish within {timeout:g} s", {})
+    return [outputs[r] for r in range(world_size)]
