@@ -10,6 +10,7 @@ finish within ``timeout`` seconds is killed and reported instead of hanging.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -42,8 +43,9 @@ def _worker(fn, rank, world_size, store_path, backend, timeout, results, args, t
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
-        out = fn(*args)
-        results.put(("ok", rank, out))
+        # Plain pickle copies tensors by value: the queue's default would pass shared
+        # memory handles that die with this process.
+        results.put(("ok", rank, pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -90,7 +92,10 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: 
                 for r in dead:  # killed by a signal or os._exit: nothing was reported
                     errors[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                 continue
-            (outputs if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
     finally:
         for p in procs:
             if p.is_alive():

@@ -1,0 +1,97 @@
+"""A small GPT: token and position embeddings, pre-norm blocks of causal self-attention
+and an MLP, a final norm, and an output head tied to the token embedding (nanoGPT's
+shape, so its parameter groups and unit boundaries are the familiar ones)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Dimensions of the built-in GPT."""
+
+    vocab: int = 256
+    """Vocabulary size (256: bytes)."""
+    block_size: int = 64
+    """Longest sequence (rows of the position embedding)."""
+    layers: int = 4
+    """Transformer blocks."""
+    heads: int = 4
+    """Attention heads."""
+    hidden: int = 128
+    """Model width."""
+    dropout: float = 0.0
+    """Dropout probability (0 keeps runs deterministic)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "block_size", "layers", "heads", "hidden"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be positive")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPTConfig.hidden={self.hidden} is not divisible by "
+                             f"heads={self.heads}")
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.heads = c.heads
+        self.ln1 = nn.LayerNorm(c.hidden)
+        self.qkv = nn.Linear(c.hidden, 3 * c.hidden)
+        self.proj = nn.Linear(c.hidden, c.hidden)
+        self.ln2 = nn.LayerNorm(c.hidden)
+        self.fc = nn.Linear(c.hidden, 4 * c.hidden)
+        self.out = nn.Linear(4 * c.hidden, c.hidden)
+        self.dropout = c.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``forward(idx, targets=None)`` returns logits, or the
+    mean cross-entropy when targets are given."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.config = c
+        self.wte = nn.Embedding(c.vocab, c.hidden)
+        self.wpe = nn.Embedding(c.block_size, c.hidden)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.hidden)
+        self.head = nn.Linear(c.hidden, c.vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence of {t} tokens is longer than block_size="
+                             f"{self.config.block_size}")
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))

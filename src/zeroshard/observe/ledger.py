@@ -1,0 +1,74 @@
+"""The ledger: bytes this rank sent per collective kind, and bytes held per category.
+
+Communication is counted in the planner's ring accounting (``zeroshard.plan.memory``):
+an all-reduce of T bytes sends 2(N-1)/N·T per rank, a reduce-scatter (T = input) or
+all-gather (T = output) (N-1)/N·T, a broadcast (N-1)/N·T — whatever the backend moves
+underneath (gloo runs reduce-scatter as an all-reduce), so measured and planned bytes
+are the same quantity.
+
+Memory categories (bytes on this rank):
+
+- ``params``: compute weights this rank keeps between steps (full below stage 3, the
+  shard at stage 3), padding excluded;
+- ``grads``: stored gradients (full below stage 2, the shard from stage 2);
+- ``optimizer``: the master copy plus every per-element optimizer state;
+- ``padding``: the zeros that make shards equal in size, counted apart, never hidden;
+- ``gathered``: full parameters alive right now at stage 3 (transient);
+- ``buffers``: communication buffers and fp32 step gradients alive right now (transient).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..plan.memory import ring_all_reduce, ring_one_way
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+CATEGORIES = ("params", "grads", "optimizer", "padding", "gathered", "buffers")
+
+
+def ring_bytes(kind: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for a collective over ``nbytes`` (ring accounting)."""
+    if kind == "all_reduce":
+        return ring_all_reduce(nbytes, world)
+    if kind in ("reduce_scatter", "all_gather", "broadcast"):
+        return ring_one_way(nbytes, world)
+    raise AssertionError(f"unknown collective kind {kind!r}")
+
+
+class Ledger:
+    """Calls and bytes sent per collective kind; reset with :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.sent: Counter[str] = Counter()
+
+    def record(self, kind: str, nbytes: int, world: int) -> None:
+        self.calls[kind] += 1
+        self.sent[kind] += ring_bytes(kind, nbytes, world)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """``{kind: {"calls": n, "bytes": sent}}`` for every kind used so far."""
+        return {k: {"calls": self.calls[k], "bytes": self.sent[k]}
+                for k in COLLECTIVES if self.calls[k]}
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.sent.clear()
+
+
+def tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optimizer, params) -> int:
+    """Bytes of the per-element optimizer state held for ``params`` (tensors shaped like
+    their parameter; scalar counters such as Adam's step are not per-element)."""
+    if optimizer is None:
+        return 0
+    total = 0
+    for p in params:
+        for value in optimizer.state.get(p, {}).values():
+            if hasattr(value, "shape") and value.shape == p.shape and value.dim() > 0:
+                total += tensor_bytes(value)
+    return total

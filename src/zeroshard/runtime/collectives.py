@@ -1,0 +1,56 @@
+"""Every collective the engine issues goes through :class:`Collectives`, which records
+it in the ledger. Gradients and parameters travel on separate process groups so that
+a rank whose reductions start late (an unused parameter) cannot pair its reduce with
+another rank's gather: each group sees its collectives in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..observe.ledger import Ledger
+
+# torch 2.13 renamed these; the old names warn. Older releases only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Collectives:
+    """The data-parallel group: ``dp_rank``, ``dp_world`` and recorded collectives."""
+
+    def __init__(self, ledger: Ledger, group=None):
+        self.ledger = ledger
+        self.group = group
+        self.dp_rank = dist.get_rank(group)
+        self.dp_world = dist.get_world_size(group)
+        # One more group with the same ranks, for gradient reductions only.
+        self.reduce_group = dist.new_group(dist.get_process_group_ranks(group)
+                                           if group is not None else None)
+
+    def _record(self, kind: str, t: torch.Tensor) -> None:
+        self.ledger.record(kind, t.numel() * t.element_size(), self.dp_world)
+
+    def all_reduce(self, t: torch.Tensor, *, grads: bool = False, async_op: bool = False):
+        """Sum ``t`` over ranks in place."""
+        self._record("all_reduce", t)
+        group = self.reduce_group if grads else self.group
+        return dist.all_reduce(t, group=group, async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):
+        """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot."""
+        self._record("reduce_scatter", inp)
+        return _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
+                               async_op=async_op)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):
+        """``out`` (N × ``inp``) receives every rank's ``inp`` in rank order."""
+        self._record("all_gather", out)
+        # gloo splits the output on dim 0 and wants each piece shaped like the input
+        return _all_gather(out.view(-1), inp.view(-1), group=self.group, async_op=async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0):
+        """Copy rank ``src``'s ``t`` to every rank."""
+        self._record("broadcast", t)
+        return dist.broadcast(t, src=dist.get_global_rank(self.group, src)
+                              if self.group is not None else src, group=self.group)

@@ -1,0 +1,355 @@
+"""``zs.shard``: wrap a model so that the ordinary training loop runs ZeRO stage 0–3.
+
+[Note: the step cycle] One optimizer step is a *cycle* of one or more backward passes:
+
+1. forward: at stage 3 each unit is gathered in its pre-forward hook and released in
+   its post-forward hook, which also arms a hook on its outputs that gathers it again
+   when backward reaches it (FSDP's pre-backward hook).
+2. backward: a unit is done when every trainable parameter of it has accumulated its
+   gradient (a post-accumulate-grad hook per parameter) or, for parameters that got
+   none, when backward ends (a queued autograd callback). Reductions are *issued in a
+   fixed order* (the reverse of the units' forward order), so every rank issues the same
+   sequence even when a rank's unused parameter makes a unit finish late there; the
+   gradient reductions travel on their own process group, so they cannot interleave
+   with stage 3's gathers. Stage 0 all-reduces, stages 2–3 reduce-scatter and free the
+   full gradients at once; stage 1 keeps full gradients and reduce-scatters at the step.
+3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
+   its gradient; the post-hook brings the compute weights up to date (a cast at stages
+   0 and 3, an all-gather at stages 1–2, awaited in the next forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..observe import memory as _memory
+from ..observe.ledger import Ledger
+from .collectives import Collectives
+from .config import ZeroConfig
+from .dist import default_device
+from .optim import check_optimizer
+from .unit import Unit, UnitState
+from .units import select_units
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_HOOKS: list = []
+_UNSET = object()
+
+
+def _owners(optimizer):
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [m for m in list(_LIVE) if ids & m._shard_ids]
+
+
+def _pre_step(optimizer, args, kwargs) -> None:
+    for m in _owners(optimizer):
+        m._before_step(optimizer)
+
+
+def _post_step(optimizer, args, kwargs) -> None:
+    for m in _owners(optimizer):
+        m._after_step()
+
+
+def _install_step_hooks() -> None:
+    """Once per process: every torch optimizer's step passes through these hooks, which
+    act only for the sharded models whose shards that optimizer holds."""
+    if not _HOOKS:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+        _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
+        _HOOKS.append(register_optimizer_step_post_hook(_post_step))
+
+
+def _check_same_model(module: nn.Module) -> None:
+    """Every rank must shard the same parameters; name the first difference."""
+    sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    sigs = [None] * dist.get_world_size()
+    dist.all_gather_object(sigs, sig)
+    for rank, other in enumerate(sigs[1:], start=1):
+        for a, b in zip(sigs[0], other):
+            if a != b:
+                raise ValueError(f"rank {rank}'s model differs from rank 0's: parameter {b[0]!r} "
+                                 f"(shape {b[1]}, {b[2]}) where rank 0 has {a[0]!r} "
+                                 f"(shape {a[1]}, {a[2]})")
+        if len(other) != len(sigs[0]):
+            raise ValueError(f"rank {rank}'s model has {len(other)} parameters, rank 0's "
+                             f"{len(sigs[0])}")
+
+
+def _broadcast_state(module: nn.Module, comm: Collectives) -> None:
+    """Rank 0's parameters and buffers everywhere: one flat broadcast per dtype."""
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    for dtype in {t.dtype for t in tensors}:
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch._utils._flatten_dense_tensors(group)
+        comm.broadcast(flat, src=0)
+        for t, v in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+            t.copy_(v)
+
+
+class ShardedModel(nn.Module):
+    """A model whose training state is sharded per :class:`ZeroConfig`.
+
+    ``parameters()`` yields what this rank's optimizer owns: shards under the original
+    names, shaped ``[rows owned, *shape[1:]]``."""
+
+    def __init__(self, module: nn.Module, config: ZeroConfig, group=None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise ValueError("no process group: call zs.init_distributed() before zs.shard()")
+        self.module = module
+        self.config = config
+        self.stage = config.stage
+        self.ledger = Ledger()
+        module.to(default_device())
+        _check_same_model(module)
+        self.comm = Collectives(self.ledger, group)
+        if config.sync_module_states:
+            with torch.no_grad():
+                _broadcast_state(module, self.comm)
+        self.units = self._build_units(select_units(module, config.units))
+        self._shard_ids = {id(s) for u in self.units for s in u.shards}
+        position = {n: k for k, (n, _) in enumerate(module.named_parameters())}
+        self._named_shards = sorted(((u.names[i], s) for u in self.units
+                                     for i, s in enumerate(u.shards)),
+                                    key=lambda ns: position[ns[0]])
+        self._reduce_order = list(reversed(self.units))
+        self._sync = True  # False inside no_sync()
+        self._stepped = True  # the next backward starts a new cycle
+        self._in_backward = False
+        self._next_reduce = 0
+        self._unreduced = False  # local gradients accumulated under no_sync()
+        self._finalized = False
+        self._checked: set[int] = set()
+        self._register_hooks()
+        _LIVE.add(self)
+        _install_step_hooks()
+        self.ledger.reset()  # comm_stats() counts training, not set-up
+
+    # -- construction ---------------------------------------------------------------
+    def _build_units(self, inner: list[nn.Module]) -> list[Unit]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        depth = {id(m): n.count(".") + 1 for n, m in self.module.named_modules() if n}
+        owner: dict[int, nn.Module] = {}
+        for m in sorted(inner, key=lambda m: -depth[id(m)]):  # innermost claims first
+            for p in m.parameters():
+                owner.setdefault(id(p), m)
+        order = [self.module] + [m for m in self.module.modules() if m in inner]
+        recipe, device = self.config.recipe, default_device()
+        units = []
+        for m in order:
+            params = [(names[id(p)], p) for p in self.module.parameters()
+                      if owner.get(id(p), self.module) is m]
+            if params or m is self.module:
+                units.append(Unit(len(units), m, params, self.stage, recipe, self.comm, device))
+        return units
+
+    def _register_hooks(self) -> None:
+        for u in self.units:
+            for i in u.trainable:
+                u.params[i].register_post_accumulate_grad_hook(
+                    lambda p, u=u: self._on_grad(u))
+            if self.stage == 3:
+                u.module.register_forward_pre_hook(lambda m, a, u=u: u.gather())
+                u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+
+    # -- forward and backward -------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        for u in self.units:
+            u.wait_sync()
+        dtype = self.units[0].compute_dtype
+        if dtype != torch.float32:  # inputs follow the compute dtype (FSDP2: cast_forward_inputs)
+            cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        out = self.module(*args, **kwargs)
+        tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: self._on_backward_begin(), mode="any")
+        return out
+
+    def _post_forward(self, unit: Unit, out) -> None:
+        unit.release()
+        tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: unit.gather(), mode="any")
+
+    def _on_backward_begin(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        new_cycle = self._stepped
+        self._stepped = False
+        self._finalized = False
+        self._next_reduce = 0
+        for u in self.units:
+            u.start_backward(new_cycle)
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_grad(self, unit: Unit) -> None:
+        unit.pending_grads -= 1
+        if unit.pending_grads == 0:
+            self._unit_done(unit)
+
+    def _unit_done(self, unit: Unit) -> None:
+        unit.ready = True
+        if self.stage == 3:
+            unit.release()
+        self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        """Issue reductions strictly in ``_reduce_order``: the same sequence on every rank."""
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].ready:
+            u = order[self._next_reduce]
+            if self._sync and self.stage != 1:
+                u.issue_reduce(free_full=self.stage >= 2)
+            self._next_reduce += 1
+
+    def _on_backward_end(self) -> None:
+        for u in self._reduce_order[self._next_reduce:]:
+            if not u.ready:
+                self._unit_done(u)
+        for u in self.units:
+            if self.stage == 3 and u.state is UnitState.GATHERED:
+                u.release()
+        self._unreduced = not self._sync
+        self._in_backward = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, with no communication, until the context exits.
+
+        Stages 0–1 keep full gradients anyway. Stages 2–3 then also keep the full
+        gradients (2P bytes under bf16, as at stage 1) until the first backward outside
+        the context reduces them."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # -- the step -------------------------------------------------------------------
+    def _finalize_grads(self) -> None:
+        """Finish every reduction and give each shard its gradient (idempotent)."""
+        if self._finalized:
+            return
+        if self._in_backward:
+            raise ValueError("gradients are not final during backward")
+        if self.stage == 1 or self._unreduced:
+            for u in self._reduce_order:
+                u.issue_reduce(free_full=self.stage >= 2)
+            self._unreduced = False
+        for u in self._reduce_order:
+            u.wait_reduce()
+            u.assign_step_grads()
+        self._finalized = True
+
+    def _before_step(self, optimizer) -> None:
+        if id(optimizer) not in self._checked:
+            check_optimizer(optimizer, self.stage)
+            self._checked.add(id(optimizer))
+        self._finalize_grads()
+
+    def _after_step(self) -> None:
+        for u in self.units:
+            u.after_step()
+        self._stepped = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the shards' gradients and start a new accumulation cycle."""
+        super().zero_grad(set_to_none)
+        self._stepped = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over all ranks' shards (padding never counts); return
+        the norm. Each rank sums ``|g|^p`` over the rows it owns — at stage 0 over the
+        rows it *would* own at N ranks — and one all-reduce adds them, so every stage
+        computes the same norm bit for bit."""
+        self._finalize_grads()
+        norm_type = float(norm_type)
+        n, r = self.comm.dp_world, self.comm.dp_rank
+        parts, grads = [], []
+        for u in self.units:
+            for i in u.trainable:
+                g = u.shards[i].grad
+                if g is None:
+                    continue
+                grads.append(g)
+                if self.stage == 0:  # this rank's would-be shard rows
+                    rows = u.params[i].shape[0] if u.params[i].dim() else 1
+                    c = -(-rows // n)
+                    g = g.reshape(rows, -1)[r * c:(r + 1) * c]
+                parts.append(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
+        local = torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64)
+        if norm_type == float("inf"):
+            total = local.max()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
+        else:
+            total = local.pow(norm_type).sum()
+            self.comm.all_reduce(total)
+            total = total.pow(1.0 / norm_type)
+        total = total.to(torch.float32)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    # -- inspection -----------------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        for name, shard in self._named_shards:
+            yield prefix + name, shard
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights (the fp32 master where there is one) and buffers under
+        their original names. A collective: every rank must call it."""
+        for u in self.units:
+            u.wait_sync()
+        values = {}
+        for u in self.units:
+            values.update(u.full_tensors())
+        by_id = {id(p): values[n] for u in self.units for n, p in zip(u.names, u.params)}
+        out = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            out[key] = by_id[id(t)] if id(t) in by_id else t.detach().clone()
+        return out
+
+    def memory(self, optimizer=None) -> dict[str, int]:
+        """Bytes on this rank per category: params, grads, optimizer (master + state of
+        ``optimizer``), padding, and the transient gathered and buffers."""
+        return _memory.measure(self.units, self.stage, optimizer)
+
+    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
+        """Per collective kind: calls and bytes this rank sent (ring accounting)."""
+        stats = self.ledger.comm_stats()
+        if reset:
+            self.ledger.reset()
+        return stats
+
+
+def shard(model: nn.Module, stage=_UNSET, *, mixed_precision=_UNSET, units=_UNSET,
+          reduce_dtype=_UNSET, config=None, group=None) -> ShardedModel:
+    """Shard ``model`` over the data-parallel group (default: the whole world).
+
+    ``config`` may be a :class:`ZeroConfig`, a dict of its fields, a DeepSpeed config
+    dict or a path to either as JSON; explicit arguments override it."""
+    base = ZeroConfig.load(config) if config is not None else ZeroConfig()
+    given = {k: v for k, v in dict(stage=stage, mixed_precision=mixed_precision, units=units,
+                                   reduce_dtype=reduce_dtype).items() if v is not _UNSET}
+    if given:
+        fields = {f: getattr(base, f) for f in ("stage", "mixed_precision", "reduce_dtype",
+                                                "units", "sync_module_states")}
+        base = ZeroConfig(**{**fields, **given})
+    return ShardedModel(model, base, group)

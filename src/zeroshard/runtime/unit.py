@@ -1,0 +1,298 @@
+"""A unit: the parameters gathered together and reduced together.
+
+One code path for every stage. Stage k shards the first k of (optimizer state,
+gradients, parameters) (ZeRO paper, section 5):
+
+| stage | compute weights      | stored gradients          | master + optimizer state |
+|-------|----------------------|---------------------------|--------------------------|
+| 0     | full                 | full, all-reduced         | full                     |
+| 1     | full                 | full, reduce-scattered at the step | shard           |
+| 2     | full                 | shard, reduced per backward | shard                  |
+| 3     | shard, gathered per use | shard                  | shard                    |
+
+Stage 0 is the same machinery with a shard group of one for the optimizer state.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn as nn
+
+from .collectives import Collectives
+from .dist import TORCH_DTYPES
+from .layout import ShardLayout
+
+
+class UnitState(enum.Enum):
+    """What a unit's full parameters hold."""
+
+    SHARDED = "sharded"
+    """Stage 3 between uses: full parameters have zero-size storage; only the slot of
+    compute weights (1/N of the unit, padded) is held."""
+    GATHERED = "gathered"
+    """Full parameters allocated and filled: always below stage 3; at stage 3 from
+    the unit's gather before forward (or backward) to its release after it."""
+
+
+class Unit:
+    """Shards, gradients and collectives of one group of parameters."""
+
+    def __init__(self, index: int, module: nn.Module, named_params: list[tuple[str, nn.Parameter]],
+                 stage: int, recipe, comm: Collectives, device: torch.device):
+        self.index, self.module, self.stage, self.comm = index, module, stage, comm
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        # Optimizer state is sharded from stage 1; stage 0 is a shard group of one.
+        self.world = comm.dp_world if stage >= 1 else 1
+        self.rank = comm.dp_rank if stage >= 1 else 0
+        self.w_layout = ShardLayout([tuple(p.shape) for p in self.params], self.world)
+        self.g_layout = ShardLayout([tuple(self.params[i].shape) for i in self.trainable],
+                                    self.world)
+        self.compute_dtype = TORCH_DTYPES[recipe.param_dtype]
+        self.grad_dtype = TORCH_DTYPES[recipe.grad_dtype]
+        self.reduce_dtype = TORCH_DTYPES[recipe.reduce_dtype or recipe.grad_dtype]
+        self.master_dtype = TORCH_DTYPES[recipe.master_dtype] if recipe.master_dtype else None
+        self.device = device
+
+        full = [p.detach().to(device) for p in self.params]  # identical on every rank by now
+        self.padded = []  # full parameters' storages, [world, c·row] each (1D rows, padded)
+        for slot, t in zip(self.w_layout.slots, full):
+            buf = self.w_layout.padded_empty(slot, self.compute_dtype, device)
+            buf.view(-1)[:slot.numel].copy_(t.reshape(-1))
+            buf.view(-1)[slot.numel:].zero_()
+            self.padded.append(buf)
+        self.master = None  # 1D [S_g], this rank's slot of fp32 master weights
+        if self.master_dtype is not None:
+            self.master = self._own_slot(self.g_layout, [full[i] for i in self.trainable],
+                                         self.master_dtype)
+        self.w_shard = None  # 1D [S_w], stage 3: this rank's slot of compute weights
+        if stage == 3:
+            self.w_shard = self._own_slot(self.w_layout, self.padded, self.compute_dtype,
+                                          padded=True)
+        del full
+        for p, buf, slot in zip(self.params, self.padded, self.w_layout.slots):
+            p.data = buf.view(-1)[:slot.numel].view(slot.shape)
+        self.grad_shard = None  # 1D [S_g], stages 2-3: accumulated reduced gradients
+        if stage >= 2:
+            self.grad_shard = torch.zeros(self.g_layout.slot_numel, dtype=self.grad_dtype,
+                                          device=device)
+        self.shards = self._make_shards()
+        self.state = UnitState.GATHERED
+        self.pending_grads = 0  # trainable parameters yet to accumulate in this backward
+        self.ready = False  # this backward is done with the unit's parameters
+        self.reduced = False  # this backward's reduction has been issued
+        self.fresh = True  # the next reduced gradient overwrites the accumulator
+        self.presence = None  # [F] per trainable param: ranks x micro-batches with a gradient
+        self._in_flight = None  # (work, buffers...) of an issued reduction
+        self._sync_work = None  # all-gather of updated weights after a step
+        self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
+        if stage == 3:
+            self.release()
+
+    # -- construction ---------------------------------------------------------------
+    def _own_slot(self, layout, tensors, dtype, padded=False):
+        """This rank's slot of ``tensors`` (full), as a new 1D tensor of ``dtype``."""
+        if padded:  # already [world, c·row]: the slot is row `rank` of each
+            return torch.cat([t[self.rank] for t in tensors]).to(dtype)
+        packed = torch.empty(layout.world, layout.slot_numel, dtype=dtype, device=self.device)
+        layout.pack([t.reshape(s.rows, s.row_numel) for t, s in zip(tensors, layout.slots)],
+                    packed)
+        return packed[self.rank].clone()
+
+    def _make_shards(self) -> list[nn.Parameter]:
+        """The parameters the optimizer sees: views of this rank's rows, shaped
+        ``[real_rows, *shape[1:]]``, of the master (mixed precision) or of the compute
+        weights themselves (fp32: the weights are the master)."""
+        w_views = (self.w_layout.shard_views(self.w_shard, self.rank) if self.stage == 3 else
+                   [buf[self.rank][:s.real_rows(self.rank) * s.row_numel].view(
+                       s.shard_shape(self.rank)) for buf, s in zip(self.padded,
+                                                                   self.w_layout.slots)])
+        views = list(w_views)
+        if self.master is not None:
+            for j, view in enumerate(self.g_layout.shard_views(self.master, self.rank)):
+                views[self.trainable[j]] = view
+        return [nn.Parameter(v, requires_grad=p.requires_grad)
+                for v, p in zip(views, self.params)]
+
+    # -- stage 3: gather and release ------------------------------------------------
+    def gather(self) -> None:
+        """All-gather the compute weights into the full parameters' storages."""
+        if self.state is UnitState.GATHERED:
+            return
+        out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
+                          device=self.device)
+        self.comm.all_gather(out, self.w_shard)
+        for p, buf in zip(self.params, self.padded):
+            p.untyped_storage().resize_(buf.numel() * buf.element_size())
+        self.w_layout.unpack_into(out, self.padded)
+        self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        """Free the full parameters; autograd's saved references keep the (empty)
+        storage object, which :meth:`gather` refills before backward needs it."""
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    # -- gradients ------------------------------------------------------------------
+    def start_backward(self, new_cycle: bool) -> None:
+        self.pending_grads = len(self.trainable)
+        self.ready = False
+        self.reduced = False
+        if new_cycle:
+            self.fresh = True
+            self.presence = None
+            self.step_grads = None
+            if self.stage <= 1:
+                for i in self.trainable:
+                    self.params[i].grad = None
+
+    def _local_grads(self):
+        """Full local gradients as [rows, row] views (zeros where none) and [F] flags."""
+        grads, flags = [], []
+        for j, i in enumerate(self.trainable):
+            g, slot = self.params[i].grad, self.g_layout.slots[j]
+            flags.append(g is not None)
+            grads.append(torch.zeros(slot.rows, slot.row_numel, dtype=self.grad_dtype,
+                                     device=self.device) if g is None
+                         else g.reshape(slot.rows, slot.row_numel))
+        return grads, torch.tensor(flags, dtype=self.reduce_dtype, device=self.device)
+
+    def issue_reduce(self, free_full: bool) -> None:
+        """Pack the local gradients (plus one presence flag per parameter, so a
+        parameter that no rank saw gets no update) into one buffer and start its
+        all-reduce (stage 0) or reduce-scatter."""
+        self.reduced = True
+        if not self.trainable:
+            return
+        grads, flags = self._local_grads()
+        n, S = self.world, self.g_layout.slot_numel
+        F = len(self.trainable)
+        if self.stage == 0:
+            buf = torch.empty(S + F, dtype=self.reduce_dtype, device=self.device)
+            self.g_layout.pack(grads + [flags.view(1, F)], buf)
+            self._in_flight = (self.comm.all_reduce(buf, grads=True, async_op=True), buf, buf)
+            return
+        buf = torch.empty(n * (S + F), dtype=self.reduce_dtype, device=self.device)
+        self.g_layout.pack(grads + [flags.expand(n, F)], buf)
+        out = torch.empty(S + F, dtype=self.reduce_dtype, device=self.device)
+        self._in_flight = (self.comm.reduce_scatter(out, buf, async_op=True), buf, out)
+        if free_full:
+            for i in self.trainable:
+                self.params[i].grad = None
+
+    def wait_reduce(self) -> None:
+        """Finish an issued reduction: average, then store where the stage keeps it."""
+        if self._in_flight is None:
+            return
+        work, _, out = self._in_flight
+        work.wait()
+        self._in_flight = None
+        S = self.g_layout.slot_numel
+        out.div_(self.comm.dp_world)
+        flags = out[S:]
+        self.presence = flags.clone() if self.presence is None else self.presence + flags
+        reduced = out[:S]
+        if self.stage == 0:  # back into the full gradients, as DDP does
+            for j, i in enumerate(self.trainable):
+                slot, p = self.g_layout.slots[j], self.params[i]
+                value = reduced[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                if p.grad is None:
+                    if flags[j] > 0:
+                        p.grad = value.to(self.grad_dtype)
+                else:
+                    p.grad.copy_(value)
+        elif self.stage == 1:  # round through the stored gradient dtype, as stages 0/2/3 do
+            self.grad_shard = reduced.to(self.grad_dtype)
+        elif self.fresh:
+            self.grad_shard.copy_(reduced)
+        else:  # summed in the reduce dtype, rounded once into the stored dtype
+            self.grad_shard.add_(reduced)
+        self.fresh = False
+
+    def assign_step_grads(self) -> None:
+        """Hand the optimizer this rank's reduced gradients (fp32 for a master copy)."""
+        if self.presence is None:
+            return
+        present = (self.presence > 0).tolist()
+        if self.stage == 0:
+            for j, i in enumerate(self.trainable):
+                g = self.params[i].grad
+                shard = self.shards[i]
+                shard.grad = None if not present[j] or g is None else (
+                    g.to(self.master_dtype) if self.master is not None else g).view(shard.shape)
+            return
+        flat = self.grad_shard
+        if self.master is not None and flat.dtype != self.master_dtype:
+            flat = flat.to(self.master_dtype)
+        self.step_grads = flat
+        for j, view in enumerate(self.g_layout.shard_views(flat, self.rank)):
+            self.shards[self.trainable[j]].grad = view if present[j] else None
+
+    # -- after the optimizer step ---------------------------------------------------
+    def after_step(self) -> None:
+        """Bring the compute weights up to date with the updated shards."""
+        self.step_grads = None
+        if self.stage == 1:
+            self.grad_shard = None  # stage 1 keeps full gradients only; the shard was transient
+        if self.master is not None:
+            for i in self.trainable:
+                self.shards[i].grad = None  # fp32 copies: free them now
+        if not self.trainable:
+            return
+        if self.stage == 0:
+            if self.master is not None:
+                for i in self.trainable:
+                    self.params[i].data.copy_(self.shards[i].detach().view(self.params[i].shape))
+        elif self.stage == 3:
+            if self.master is not None:
+                w_views = self.w_layout.shard_views(self.w_shard, self.rank)
+                for i in self.trainable:
+                    w_views[i].copy_(self.shards[i].detach())
+        else:  # stages 1-2: all-gather the updated rows into every rank's full weights
+            if self.master is not None:
+                inp = self.master.to(self.compute_dtype)
+            else:
+                inp = torch.cat([self.padded[i][self.rank] for i in self.trainable])
+            out = torch.empty(self.world, self.g_layout.slot_numel, dtype=self.compute_dtype,
+                              device=self.device)
+            self._sync_work = (self.comm.all_gather(out, inp, async_op=True), out, inp)
+
+    def wait_sync(self) -> None:
+        if self._sync_work is None:
+            return
+        work, out, _ = self._sync_work
+        work.wait()
+        self._sync_work = None
+        self.g_layout.unpack_into(out, [self.padded[i] for i in self.trainable])
+
+    # -- inspection ------------------------------------------------------------------
+    def full_tensors(self) -> dict[str, torch.Tensor]:
+        """Full values under original names: the master where there is one (the source
+        of truth), else the compute weights. Collective at stage >= 1."""
+        values = {}
+        for i, p in enumerate(self.params):
+            if self.stage < 3 and (self.master is None or i not in self.trainable):
+                values[self.names[i]] = p.detach().clone()
+        masters = [i for i in self.trainable] if self.master is not None else []
+        if masters and self.world == 1:
+            for i in masters:
+                values[self.names[i]] = self.shards[i].detach().clone().view(self.params[i].shape)
+        elif masters:
+            out = torch.empty(self.world * self.g_layout.slot_numel, dtype=self.master_dtype,
+                              device=self.device)
+            self.comm.all_gather(out, self.master)
+            for i, t in zip(masters, self.g_layout.unpack(out)):
+                values[self.names[i]] = t
+        if self.stage == 3:
+            rest = [i for i in range(len(self.params)) if self.names[i] not in values]
+            out = torch.empty(self.world * self.w_layout.slot_numel, dtype=self.compute_dtype,
+                              device=self.device)
+            self.comm.all_gather(out, self.w_shard)
+            full = self.w_layout.unpack(out)
+            for i in rest:
+                values[self.names[i]] = full[i]
+        return values
