@@ -41,7 +41,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
         raise ValueError(
             f"{name} cannot step ZeRO stage {stage} shards: {NOT_ELEMENTWISE[name]}, and each "
             "rank holds only a slice of every parameter, so the update would differ from the "
-            f"unsharded one. Use stage 0, or an elementwise optimizer ({', '.join(sorted(ELEMENTWISE))})")
+            "unsharded one. Use stage 0, or an elementwise optimizer "
+            f"({', '.join(sorted(ELEMENTWISE))})")
     if name not in _warned:
         _warned.add(name)
         warnings.warn(

@@ -193,6 +193,7 @@ class ShardedModel(nn.Module):
         self._finalized = False
         self._next_reduce = 0
         for u in self.units:
+            u.wait_reduce()  # stage 0 writes back into the gradients this backward adds to
             u.start_backward(new_cycle)
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 

@@ -159,7 +159,7 @@ class Unit:
             grads.append(torch.zeros(slot.rows, slot.row_numel, dtype=self.grad_dtype,
                                      device=self.device) if g is None
                          else g.reshape(slot.rows, slot.row_numel))
-        return grads, torch.tensor(flags, dtype=self.reduce_dtype, device=self.device)
+        return grads, torch.tensor(flags, dtype=self.grad_dtype, device=self.device)
 
     def issue_reduce(self, free_full: bool) -> None:
         """Pack the local gradients (plus one presence flag per parameter, so a
@@ -168,6 +168,7 @@ class Unit:
         self.reduced = True
         if not self.trainable:
             return
+        self.wait_reduce()  # the previous micro-batch's reduction lands first
         grads, flags = self._local_grads()
         n, S = self.world, self.g_layout.slot_numel
         F = len(self.trainable)

@@ -1,0 +1,289 @@
+"""Workloads the multi-process engine tests run on every rank (importable by name, so
+the spawned ranks can unpickle them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zeroshard as zs
+from zeroshard.models.gpt import GPT, GPTConfig
+
+GLOBAL_BATCH = 8
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.fc(x)))
+
+
+class MLP(nn.Module):
+    """Input layer and head in the root unit, three repeated blocks as units."""
+
+    def __init__(self, width: int = 12, depth: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return F.mse_loss(self.head(h), y)
+
+
+class Branchy(nn.Module):
+    """A branch only rank 0 takes, a branch nobody takes, and a frozen parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(Block(8) for _ in range(2))
+        self.rank0_only = nn.Linear(8, 8)
+        self.never = nn.Linear(8, 8)
+        self.frozen = nn.Parameter(torch.ones(8), requires_grad=False)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        h = self.inp(x) * self.frozen
+        for b in self.blocks:
+            h = b(h)
+        if dist.get_rank() == 0:
+            h = h + self.rank0_only(h)
+        return F.mse_loss(self.head(h), y)
+
+
+def build(name: str) -> nn.Module:
+    torch.manual_seed(1234)
+    if name == "mlp":
+        return MLP()
+    if name == "mlp_odd":  # dims that do not divide by 3 or 4: padding appears
+        return MLP(width=7)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab=32, block_size=8, layers=3, heads=2, hidden=16))
+    if name == "branchy":
+        return Branchy()
+    raise AssertionError(name)
+
+
+def batch(name: str, step: int, micro: int = 0, micros: int = 1):
+    """This rank's slice of the global batch for a step (same for every implementation)."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // world // micros
+    if name == "gpt":  # arithmetic sequences mod 32: learnable, so the loss falls
+        start = torch.randint(0, 32, (GLOBAL_BATCH, 1), generator=g)
+        stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
+        seq = (start + stride * torch.arange(9)) % 32
+        data = (seq[:, :-1], seq[:, 1:])
+    else:
+        data = (torch.randn(GLOBAL_BATCH, 6, generator=g),
+                torch.randn(GLOBAL_BATCH, 2, generator=g))
+    base = rank * (GLOBAL_BATCH // world) + micro * per
+    return tuple(t[base:base + per] for t in data)
+
+
+def make_optimizer(kind: str, named):
+    named = list(named)
+    params = [p for _, p in named]
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if kind == "groups":  # nanoGPT: decay matrices, not biases and norms
+        return torch.optim.AdamW([
+            {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=5e-2, momentum=0.9)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=5e-2)
+    if kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-3)
+    raise AssertionError(kind)
+
+
+def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: float | None = None,
+          micros: int = 1, precision=None, use_no_sync: bool = False,
+          ddp_sync_every: bool = False):
+    """Train with zeroshard (stage 0-3) or torch DDP (stage "ddp"); return the full
+    weights, the losses, and for zeroshard the model and optimizer."""
+    model = build(model_name)
+    if stage == "ddp":
+        net = nn.parallel.DistributedDataParallel(model)
+        opt = make_optimizer(optim, model.named_parameters())
+    else:
+        net = zs.shard(model, stage=stage, mixed_precision=precision)
+        opt = make_optimizer(optim, net.named_parameters())
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(micros):
+            x, y = batch(model_name, step, micro, micros)
+            last = micro == micros - 1
+            skip = use_no_sync or (stage == "ddp" and not ddp_sync_every)
+            ctx = net.no_sync() if skip and not last else _null()
+            with ctx:
+                loss = net(x, y) / micros
+                loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if clip is not None:
+            if stage == "ddp":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            else:
+                net.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    weights = ({k: v.detach().clone() for k, v in model.state_dict().items()} if stage == "ddp"
+               else net.full_state_dict())
+    return weights, losses, (None if stage == "ddp" else net), opt
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    scale = max(v.abs().max().item() for v in b.values() if v.is_floating_point())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b) / scale
+
+
+def bit_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
+# -- grids: one spawn runs all of these; results are plain numbers for the parent ----------
+
+VARIANTS = {
+    "plain": {},
+    "clip": {"clip": 0.05},  # small enough that every step clips
+    "accum": {"micros": 2},
+    "groups": {"optim": "groups"},
+    "sgd": {"optim": "sgd"},
+    "adagrad": {"optim": "adagrad"},
+    "rmsprop": {"optim": "rmsprop"},
+}
+
+
+def parity_grid(models, variants, steps=20):
+    """For each model and variant: max relative difference of each stage to stage 0 and
+    to DDP, and whether stages agree bit for bit."""
+    out = {}
+    for model in models:
+        for variant in variants:
+            kw = VARIANTS[variant]
+            ref, _, _, _ = train(model, "ddp", steps, **kw)
+            runs = {s: train(model, s, steps, **kw)[0] for s in range(4)}
+            every = None
+            if kw.get("micros", 1) > 1:  # DDP itself, reducing every micro-batch
+                every = train(model, "ddp", steps, ddp_sync_every=True, **kw)[0]
+            out[(model, variant)] = {
+                "ddp_reorder": every and max_rel_diff(every, ref),
+                "diff_to_ddp_every": every and [max_rel_diff(runs[s], every) for s in range(4)],
+                "bit_equal_to_stage0": [bit_equal(runs[s], runs[0]) for s in range(4)],
+                "diff_to_stage0": [max_rel_diff(runs[s], runs[0]) for s in range(4)],
+                "diff_to_ddp": [max_rel_diff(runs[s], ref) for s in range(4)],
+            }
+    return out
+
+
+def clip_norms(model_name):
+    """(our global norm, torch's clip_grad_norm_ on DDP) after one backward, per stage."""
+    out = []
+    for stage in range(4):
+        x, y = batch(model_name, 0)
+        ref = build(model_name)
+        ddp = nn.parallel.DistributedDataParallel(ref)
+        ddp(x, y).backward()
+        torch_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
+        net = zs.shard(build(model_name), stage=stage)
+        net(x, y).backward()
+        out.append((net.clip_grad_norm_(0.05).item(), torch_norm))
+    return out
+
+
+def bf16_grid(steps=20):
+    _, ref_losses, _, _ = train("gpt", 0, steps)
+    runs = {s: train("gpt", s, steps, precision="bf16") for s in range(4)}
+    return {
+        "bit_equal_to_stage0": [bit_equal(runs[s][0], runs[0][0]) for s in range(4)],
+        "loss_gap": max(abs(a - b) for s in range(4) for a, b in zip(runs[s][1], ref_losses)),
+        "loss_first_last": (runs[3][1][0], runs[3][1][-1]),
+    }
+
+
+def ledger_grid(model="mlp"):
+    """Memory per category after one step, and bytes sent in one (unclipped) step."""
+    from zeroshard.plan.memory import comm_bytes, model_state_bytes
+
+    out = {}
+    for precision in (None, "bf16"):
+        for stage in range(4):
+            _, _, net, opt = train(model, stage, steps=1, precision=precision)
+            params = sum(p.numel() for p in build(model).parameters())
+            recipe = net.config.recipe
+            mem = net.memory(opt)
+            net.comm_stats(reset=True)
+            x, y = batch(model, 1)
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            flags = sum(len(u.trainable) for u in net.units)
+            out[(precision, stage)] = {
+                "memory": mem,
+                "plan": model_state_bytes(params, dist.get_world_size(), recipe, stage),
+                "params": params,
+                "bytes": {"params": recipe.weight_bytes, "grads": recipe.grad_bytes,
+                          "optimizer": recipe.optimizer_bytes},
+                "comm": net.comm_stats(),
+                "comm_plan": comm_bytes(params, dist.get_world_size(), recipe, stage),
+                "flag_bytes": flags * recipe.reduce_bytes,
+            }
+    return out
+
+
+def behaviour_grid():
+    """Unused and frozen parameters, no_sync, refusals, mismatched models."""
+    out = {}
+    for stage in range(4):
+        before = {k: v.clone() for k, v in build("branchy").state_dict().items()}
+        w, losses, net, _ = train("branchy", stage, steps=3)
+        out[("branchy", stage)] = {
+            "never_changed": torch.equal(w["never.weight"], before["never.weight"]),
+            "frozen_changed": not torch.equal(w["frozen"], before["frozen"]),
+            "rank0_only_changed": not torch.equal(w["rank0_only.weight"],
+                                                  before["rank0_only.weight"]),
+            "weights": w,
+        }
+        plain = train("mlp", stage, steps=4, micros=2)[0]
+        synced = train("mlp", stage, steps=4, micros=2, use_no_sync=True)[0]
+        out[("no_sync", stage)] = max_rel_diff(synced, plain)
+    for stage, opt_cls in ((1, "Adafactor"), (2, "LBFGS"), (3, "Adafactor"), (0, "Adafactor")):
+        net = zs.shard(build("mlp"), stage=stage)
+        opt = getattr(torch.optim, opt_cls)(net.parameters(), lr=1e-2)
+        x, y = batch("mlp", 0)
+        net(x, y).backward()
+        try:
+            closure = (lambda net=net, x=x, y=y: net(x, y)) if opt_cls == "LBFGS" else None
+            opt.step(closure)
+            out[("refuse", stage, opt_cls)] = None
+        except ValueError as exc:
+            out[("refuse", stage, opt_cls)] = str(exc)
+    other = build("mlp") if dist.get_rank() == 0 else MLP(width=10)
+    try:
+        zs.shard(other, stage=2)
+        out["mismatch"] = None
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    return out

@@ -1,0 +1,130 @@
+"""The engine on real gloo processes: parity with DDP, bit-for-bit across stages, the
+ledger against the planner, and behaviour at the edges."""
+
+import pytest
+
+from zeroshard.runtime.spawn import spawn
+
+from . import engine_cases as cases
+
+pytestmark = pytest.mark.dist
+
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def n2():
+    return spawn(_n2, 2, timeout=600)[0]
+
+
+def _n2():
+    return {
+        "parity": cases.parity_grid(["mlp", "gpt"], ["plain", "clip", "accum", "groups", "sgd"]),
+        "optimizers": cases.parity_grid(["mlp"], ["adagrad", "rmsprop"], steps=10),
+        "bf16": cases.bf16_grid(),
+        "norms": cases.clip_norms("gpt"),
+        "ledger": cases.ledger_grid(),
+        "behaviour": cases.behaviour_grid(),
+    }
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("variant", ["plain", "clip", "accum", "groups", "sgd"])
+def test_fp32_parity_n2(n2, model, variant):
+    r = n2["parity"][(model, variant)]
+    # Clipped AdamW on the GPT is chaotic: DDP itself moves 1.4e-5-1.7e-5 after 20 steps
+    # when its clip factor changes by 1e-7 (one fp32 ulp), and a global norm summed over
+    # shards cannot match torch's per-tensor summation to the last bit. The norm itself
+    # is checked against torch's to 1e-6 in test_clip_norm_matches_torch.
+    tol = 5e-5 if (model, variant) == ("gpt", "clip") else TOL
+    if variant == "accum":
+        # Stages 0-1 sum micro-batches, then ranks (as DDP under no_sync); stages 2-3
+        # reduce each micro-batch, then sum: another rounding order. On the MLP that stays
+        # within 1e-6; the GPT's AdamW amplifies any reordering, DDP's own included, so
+        # there stages 2-3 must be no further from DDP than DDP is from itself when it
+        # reduces every micro-batch (measured in the same run).
+        assert r["diff_to_ddp_every"][0] < TOL, r  # stage 0 reduces every backward, as DDP
+        assert r["diff_to_ddp"][1] < TOL, r  # stage 1 reduces at the step: DDP + no_sync
+        assert r["diff_to_stage0"][3] == r["diff_to_stage0"][2], r  # 2 and 3: same order
+        bound = TOL if model == "mlp" else 5 * r["ddp_reorder"]
+        assert max(r["diff_to_ddp"][2:]) < bound, r
+    else:
+        assert max(r["diff_to_ddp"]) < tol, r["diff_to_ddp"]
+        assert all(r["bit_equal_to_stage0"]), r
+
+
+def test_clip_norm_matches_torch(n2):
+    for stage, (ours, torch_norm) in enumerate(n2["norms"]):
+        assert abs(ours - torch_norm) <= 1e-6 * torch_norm, (stage, ours, torch_norm)
+    assert len({ours for ours, _ in n2["norms"]}) == 1  # every stage: the same norm, bit for bit
+
+
+@pytest.mark.parametrize("variant", ["adagrad", "rmsprop"])
+def test_other_elementwise_optimizers(n2, variant):
+    r = n2["optimizers"][("mlp", variant)]
+    assert all(r["bit_equal_to_stage0"]) and max(r["diff_to_ddp"]) < TOL, r
+
+
+def test_bf16_stages_agree_and_track_fp32(n2):
+    r = n2["bf16"]
+    assert all(r["bit_equal_to_stage0"]), r
+    assert r["loss_gap"] < 2e-2, r
+    first, last = r["loss_first_last"]
+    assert last < first
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_equals_plan_n2(n2, precision, stage):
+    r = n2["ledger"][(precision, stage)]
+    mem, (weights, grads, optimizer) = r["memory"], r["plan"]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (weights, grads, optimizer)
+    assert mem["padding"] == 0  # every dimension of the MLP divides by 2
+    assert mem["gathered"] == 0
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_comm_equals_plan_n2(n2, precision, stage):
+    r = n2["ledger"][(precision, stage)]
+    sent = sum(k["bytes"] for k in r["comm"].values())
+    # the engine adds one presence flag per parameter to each reduction; at N = 2 both
+    # an all-reduce and a reduce-scatter of them send exactly their size
+    assert sent - r["comm_plan"] == r["flag_bytes"], (sent, r["comm_plan"], r["flag_bytes"])
+    kinds = set(r["comm"])
+    assert kinds == ({"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"})
+    if stage == 3:
+        assert r["comm"]["all_gather"]["calls"] == 2 * r["comm"]["reduce_scatter"]["calls"]
+
+
+def test_stage3_sends_one_and_a_half_times_ddp(n2):
+    ledger = n2["ledger"]
+    sent = {s: sum(k["bytes"] for k in ledger[(None, s)]["comm"].values())
+            - ledger[(None, s)]["flag_bytes"] for s in (0, 3)}
+    assert sent[3] / sent[0] == 1.5
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_unused_and_frozen_parameters(n2, stage):
+    r = n2["behaviour"][("branchy", stage)]
+    assert r["never_changed"] and not r["frozen_changed"] and r["rank0_only_changed"]
+    assert cases.bit_equal(r["weights"], n2["behaviour"][("branchy", 0)]["weights"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_sync_accumulates_the_same_gradient(n2, stage):
+    assert n2["behaviour"][("no_sync", stage)] < TOL
+
+
+def test_non_elementwise_optimizers_refused(n2):
+    b = n2["behaviour"]
+    assert "Adafactor cannot step ZeRO stage 1 shards" in b[("refuse", 1, "Adafactor")]
+    assert "whole rows and columns" in b[("refuse", 1, "Adafactor")]
+    assert "LBFGS cannot step ZeRO stage 2 shards" in b[("refuse", 2, "LBFGS")]
+    assert b[("refuse", 3, "Adafactor")] is not None
+    assert b[("refuse", 0, "Adafactor")] is None  # stage 0 steps whole parameters
+
+
+def test_different_models_are_named(n2):
+    msg = n2["behaviour"]["mismatch"]
+    assert "rank 1's model differs from rank 0's: parameter 'inp.weight' (shape (10, 6)" in msg
