@@ -91,15 +91,15 @@ def batch(name: str, step: int, micro: int = 0, micros: int = 1):
     return tuple(t[base:base + per] for t in data)
 
 
-def make_optimizer(kind: str, named):
+def make_optimizer(kind: str, named, lr: float = 1e-2):
     named = list(named)
     params = [p for _, p in named]
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
     if kind == "groups":  # nanoGPT: decay matrices, not biases and norms
         return torch.optim.AdamW([
             {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=5e-2, momentum=0.9)
     if kind == "adagrad":
@@ -115,12 +115,13 @@ def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: f
     """Train with zeroshard (stage 0-3) or torch DDP (stage "ddp"); return the full
     weights, the losses, and for zeroshard the model and optimizer."""
     model = build(model_name)
+    lr = 1e-3 if model_name == "gpt" else 1e-2  # nanoGPT-like; 1e-2 makes the tiny GPT chaotic
     if stage == "ddp":
         net = nn.parallel.DistributedDataParallel(model)
-        opt = make_optimizer(optim, model.named_parameters())
+        opt = make_optimizer(optim, model.named_parameters(), lr)
     else:
         net = zs.shard(model, stage=stage, mixed_precision=precision)
-        opt = make_optimizer(optim, net.named_parameters())
+        opt = make_optimizer(optim, net.named_parameters(), lr)
     losses = []
     for step in range(steps):
         total = 0.0

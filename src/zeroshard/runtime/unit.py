@@ -51,6 +51,10 @@ class Unit:
         self.w_layout = ShardLayout([tuple(p.shape) for p in self.params], self.world)
         self.g_layout = ShardLayout([tuple(self.params[i].shape) for i in self.trainable],
                                     self.world)
+        # Gradients always travel in the N-slot layout, stage 0 included: gloo runs a
+        # reduce-scatter as an all-reduce of its input, so an all-reduce of the same buffer
+        # sums every element in the same order, and stage 0 matches stages 1-3 bit for bit.
+        self.r_layout = ShardLayout([s.shape for s in self.g_layout.slots], comm.dp_world)
         self.compute_dtype = TORCH_DTYPES[recipe.param_dtype]
         self.grad_dtype = TORCH_DTYPES[recipe.grad_dtype]
         self.reduce_dtype = TORCH_DTYPES[recipe.reduce_dtype or recipe.grad_dtype]
@@ -170,15 +174,14 @@ class Unit:
             return
         self.wait_reduce()  # the previous micro-batch's reduction lands first
         grads, flags = self._local_grads()
-        n, S = self.world, self.g_layout.slot_numel
+        n, S = self.comm.dp_world, self.r_layout.slot_numel
         F = len(self.trainable)
-        if self.stage == 0:
-            buf = torch.empty(S + F, dtype=self.reduce_dtype, device=self.device)
-            self.g_layout.pack(grads + [flags.view(1, F)], buf)
-            self._in_flight = (self.comm.all_reduce(buf, grads=True, async_op=True), buf, buf)
-            return
         buf = torch.empty(n * (S + F), dtype=self.reduce_dtype, device=self.device)
-        self.g_layout.pack(grads + [flags.expand(n, F)], buf)
+        self.r_layout.pack(grads + [flags.expand(n, F)], buf)
+        if self.stage == 0:
+            self._in_flight = (self.comm.all_reduce(buf, grads=True, async_op=True), buf,
+                               buf.view(n, S + F))
+            return
         out = torch.empty(S + F, dtype=self.reduce_dtype, device=self.device)
         self._in_flight = (self.comm.reduce_scatter(out, buf, async_op=True), buf, out)
         if free_full:
@@ -192,15 +195,16 @@ class Unit:
         work, _, out = self._in_flight
         work.wait()
         self._in_flight = None
-        S = self.g_layout.slot_numel
+        S = self.r_layout.slot_numel
         out.div_(self.comm.dp_world)
-        flags = out[S:]
+        if self.stage == 0:  # [N, S + F]: every slot, back into the full gradients (DDP)
+            flags, values = out[0, S:], self.r_layout.unpack(out[:, :S])
+        else:
+            flags, reduced = out[S:], out[:S]
         self.presence = flags.clone() if self.presence is None else self.presence + flags
-        reduced = out[:S]
-        if self.stage == 0:  # back into the full gradients, as DDP does
+        if self.stage == 0:
             for j, i in enumerate(self.trainable):
-                slot, p = self.g_layout.slots[j], self.params[i]
-                value = reduced[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                p, value = self.params[i], values[j]
                 if p.grad is None:
                     if flags[j] > 0:
                         p.grad = value.to(self.grad_dtype)
