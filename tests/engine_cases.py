@@ -207,10 +207,12 @@ def clip_norms(model_name):
         ref = build(model_name)
         ddp = nn.parallel.DistributedDataParallel(ref)
         ddp(x, y).backward()
+        torch_inf = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, float("inf")).item()
         torch_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
         net = zs.shard(build(model_name), stage=stage)
         net(x, y).backward()
-        out.append((net.clip_grad_norm_(0.05).item(), torch_norm))
+        inf = net.clip_grad_norm_(1e9, float("inf")).item()
+        out.append((net.clip_grad_norm_(0.05).item(), torch_norm, inf, torch_inf))
     return out
 
 

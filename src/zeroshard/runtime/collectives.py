@@ -31,11 +31,12 @@ class Collectives:
     def _record(self, kind: str, t: torch.Tensor) -> None:
         self.ledger.record(kind, t.numel() * t.element_size(), self.dp_world)
 
-    def all_reduce(self, t: torch.Tensor, *, grads: bool = False, async_op: bool = False):
-        """Sum ``t`` over ranks in place."""
+    def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, grads: bool = False,
+                   async_op: bool = False):
+        """Reduce ``t`` over ranks in place (a sum unless ``op`` says otherwise)."""
         self._record("all_reduce", t)
         group = self.reduce_group if grads else self.group
-        return dist.all_reduce(t, group=group, async_op=async_op)
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):
         """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot."""

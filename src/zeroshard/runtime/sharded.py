@@ -296,7 +296,7 @@ class ShardedModel(nn.Module):
         local = torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64)
         if norm_type == float("inf"):
             total = local.max()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
+            self.comm.all_reduce(total, op=dist.ReduceOp.MAX)
         else:
             total = local.pow(norm_type).sum()
             self.comm.all_reduce(total)
