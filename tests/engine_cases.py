@@ -283,6 +283,13 @@ def behaviour_grid():
             out[("refuse", stage, opt_cls)] = None
         except ValueError as exc:
             out[("refuse", stage, opt_cls)] = str(exc)
+    # rank-dependent weights and buffer: sharding makes every rank start from rank 0's
+    torch.manual_seed(1234 + dist.get_rank())
+    mine = MLP()
+    mine.register_buffer("scale", torch.full((3,), float(dist.get_rank())))
+    reference = build("mlp").state_dict()
+    reference["scale"] = torch.zeros(3)
+    out["broadcast"] = bit_equal(zs.shard(mine, stage=3).full_state_dict(), reference)
     other = build("mlp") if dist.get_rank() == 0 else MLP(width=10)
     try:
         zs.shard(other, stage=2)

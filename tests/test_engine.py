@@ -123,6 +123,10 @@ def test_non_elementwise_optimizers_refused(n2):
     assert b[("refuse", 0, "Adafactor")] is None  # stage 0 steps whole parameters
 
 
+def test_rank0_parameters_and_buffers_everywhere(n2):
+    assert n2["behaviour"]["broadcast"]
+
+
 def test_different_models_are_named(n2):
     msg = n2["behaviour"]["mismatch"]
     assert "rank 1's model differs from rank 0's: parameter 'inp.weight' (shape (10, 6)" in msg

@@ -80,3 +80,17 @@ def test_planner_and_engine_share_the_recipe():
 
     assert ZeroConfig(mixed_precision="bf16").recipe == RECIPES["bf16-mixed-adamw"] \
         .with_reduce_dtype("fp32")
+
+
+def test_init_distributed_without_torchrun_is_a_group_of_one():
+    import subprocess
+    import sys
+
+    code = ("import zeroshard as zs, torch; print(zs.init_distributed());"
+            "m = zs.shard(torch.nn.Linear(4, 2), stage=3);"
+            "print(sorted(n for n, _ in m.named_parameters()))")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    assert out.splitlines() == ["(0, 1)", "['bias', 'weight']"]

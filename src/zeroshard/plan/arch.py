@@ -15,9 +15,10 @@ GPT-2 small = 124,439,808, ...) in the tests.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from .._jsonfile import read_json_object
 
 
 @dataclass(frozen=True)
@@ -144,15 +145,7 @@ def from_hf_config(path: str | Path) -> Architecture:
     """Read a Hugging Face ``config.json`` of a llama-, mistral-, gpt2- or
     gpt_neox-style model; a missing field is an error that names it."""
     path = str(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            config = json.load(fh)
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    config = read_json_object(path)
     kind = config.get("model_type")
     name = Path(path).parent.name or Path(path).stem
     if kind in ("llama", "mistral", "qwen2", "qwen3"):

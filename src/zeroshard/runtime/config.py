@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .._jsonfile import read_json_object
 from ..plan.recipes import RECIPES, Recipe, get_recipe
 
 #: ``mixed_precision`` shorthands -> recipe names.
@@ -93,13 +93,5 @@ class ZeroConfig:
         if isinstance(config, dict):
             return cls.from_dict(config)
         if isinstance(config, (str, Path)):
-            try:
-                data = json.loads(Path(config).read_text())
-            except OSError as exc:
-                raise ValueError(f"cannot read config {config}: {exc.strerror or exc}") from None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"config {config} is not valid JSON: {exc.msg}") from None
-            if not isinstance(data, dict):
-                raise ValueError(f"config {config}: expected a JSON object")
-            return cls.from_dict(data)
+            return cls.from_dict(read_json_object(config, "config"))
         raise ValueError(f"config={config!r}; expected a ZeroConfig, a dict or a JSON file path")
