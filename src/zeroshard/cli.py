@@ -12,6 +12,7 @@ import sys
 # subcommand -> (module with add_arguments(parser) and run(args), one-line help)
 COMMANDS = {
     "plan": ("zeroshard.plan.command", "memory and communication per GPU before a run"),
+    "train": ("zeroshard.train", "train the built-in GPT on the built-in corpus over N processes"),
     "demo": ("zeroshard.demo", "the ZeRO-1 experiment of the source documents on real processes"),
 }
 

@@ -1,0 +1,127 @@
+"""The training loop that runs on every rank of ``zeroshard train``."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..data import Corpus, decode
+from ..models.gpt import GPT, get_preset
+from ..runtime.dist import init_distributed
+from ..runtime.sharded import shard
+from . import report
+from .config import TrainConfig
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 10)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _global_mean(value: torch.Tensor, world: int) -> float:
+    """The mean over ranks of a scalar (a reporting collective, outside the ledger)."""
+    t = value.detach().double().reshape(1)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def evaluate(model, corpus: Corpus, cfg: TrainConfig, split: str, rank: int, world: int,
+             seq_len: int) -> float:
+    """Mean loss over ``eval_batches`` fixed global batches of ``split``."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for k in range(cfg.eval_batches):
+            x, y = corpus.batch(split, cfg.seed + 7919, k, cfg.batch, seq_len)
+            rows = slice(rank * cfg.batch // world, (rank + 1) * cfg.batch // world)
+            total += model(x[rows], y[rows]).double()
+    model.train(was_training)
+    return _global_mean(total / cfg.eval_batches, world)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run the whole job on this rank; rank 0 prints. Returns the losses (for tests)."""
+    rank, world = init_distributed()
+    micro, accum = cfg.accumulation(world)
+    gpt_cfg = get_preset(cfg.model)
+    seq_len = gpt_cfg.block_size
+    torch.manual_seed(cfg.seed)
+    model = shard(GPT(gpt_cfg), stage=cfg.stage, units=cfg.unit_policy(),
+                  mixed_precision=None if cfg.precision == "fp32" else cfg.precision)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    corpus = Corpus.builtin()
+    params = sum(p.numel() for p in GPT(gpt_cfg).parameters()) if rank == 0 else 0
+    out = report.Reporter(cfg, world, micro, accum, params, enabled=rank == 0)
+    log = open(cfg.json_log, "w", encoding="utf-8") if cfg.json_log and rank == 0 else None
+    losses, evals = [], []
+    first_eval = evaluate(model, corpus, cfg, "val", rank, world, seq_len)
+    out.start(first_eval)
+    tokens_per_step = cfg.batch * seq_len
+    model.comm_stats(reset=True)
+    comm: dict[str, dict[str, int]] = {}  # training steps only, evaluations left out
+    try:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            x, y = corpus.batch("train", cfg.seed, step, cfg.batch, seq_len)
+            base = rank * cfg.batch // world
+            step_loss = torch.zeros(())
+            for m in range(accum):
+                rows = slice(base + m * micro, base + (m + 1) * micro)
+                loss = model(x[rows], y[rows]) / accum
+                loss.backward()
+                step_loss += loss.detach().float()
+            norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else None
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            loss_value = _global_mean(step_loss, world)
+            dt = time.perf_counter() - t0
+            losses.append(loss_value)
+            for kind, s in model.comm_stats(reset=True).items():
+                acc = comm.setdefault(kind, {"calls": 0, "bytes": 0})
+                acc["calls"] += s["calls"]
+                acc["bytes"] += s["bytes"]
+            record = {"step": step + 1, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
+                      "grad_norm": None if norm is None else norm.item(),
+                      "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                record["train_loss"] = evaluate(model, corpus, cfg, "train", rank, world, seq_len)
+                record["val_loss"] = evaluate(model, corpus, cfg, "val", rank, world, seq_len)
+                evals.append((step + 1, record["train_loss"], record["val_loss"]))
+                out.eval_line(record)
+                model.comm_stats(reset=True)
+            out.step(record)
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+    finally:
+        out.stop()
+        if log:
+            log.close()
+    memories = [None] * world
+    dist.all_gather_object(memories, model.memory(optimizer))
+    out.summary(memories, comm, model.config.recipe)
+    if cfg.sample_chars:
+        prompt = torch.tensor([list(b"The ")])
+        g = torch.Generator().manual_seed(cfg.seed)
+        model.eval()
+        text = GPT.generate(model.module, prompt, cfg.sample_chars, generator=g, forward=model)
+        out.sample(decode(text[0].tolist()))
+    return {"losses": losses, "evals": evals, "first_val": first_eval}

@@ -1,0 +1,89 @@
+"""What ``zeroshard train`` prints on rank 0: a header, a progress bar, evaluation lines,
+measured memory per rank beside the planner's prediction, communication per step, and
+a text sample."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..plan.memory import comm_bytes, model_state_bytes
+
+MB = 1e6
+
+
+class Reporter:
+    """Rank 0's output; every method is a no-op elsewhere."""
+
+    def __init__(self, cfg, world: int, micro: int, accum: int, params: int, enabled: bool):
+        self.cfg, self.world, self.params, self.enabled = cfg, world, params, enabled
+        self.micro, self.accum = micro, accum
+        console = Console(highlight=False)
+        # keep the tables whole when stdout is a pipe or a narrow terminal
+        self.console = console if console.width >= 100 else Console(highlight=False, width=100)
+        self.progress = None
+        self.steps_done = 0
+
+    def start(self, val_loss: float) -> None:
+        if not self.enabled:
+            return
+        c = self.cfg
+        self.console.print(
+            f"zeroshard train: GPT {c.model} ({self.params:,} params), {self.world} processes, "
+            f"ZeRO stage {c.stage}, {c.precision}, units={c.units}; global batch {c.batch} = "
+            f"{self.world} x {self.micro} x {self.accum} micro-batch(es), {c.steps} steps")
+        self.console.print(f"step 0: val loss {val_loss:.4f}")
+        self.progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
+        self.task = self.progress.add_task("train", total=c.steps, loss="-", tps="-")
+        self.progress.start()
+
+    def step(self, record: dict) -> None:
+        if self.enabled:
+            self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}",
+                                 tps=f"{record['tokens_per_s']:,.0f}")
+
+    def eval_line(self, record: dict) -> None:
+        if self.enabled:
+            self.progress.console.print(
+                f"step {record['step']}: train loss {record['train_loss']:.4f}, "
+                f"val loss {record['val_loss']:.4f}")
+
+    def stop(self) -> None:
+        if self.enabled and self.progress is not None:
+            self.progress.stop()
+
+    def summary(self, memories: list[dict], comm: dict, recipe) -> None:
+        if not self.enabled:
+            return
+        stage = self.cfg.stage
+        weights, grads, optimizer = model_state_bytes(self.params, self.world, recipe, stage)
+        t = Table(title=f"memory per rank (MB): measured by the ledger / planned "
+                        f"({recipe.name}, stage {stage}, N = {self.world})",
+                  title_justify="left")
+        for col in ("rank", "params", "grads", "optimizer", "padding", "gathered", "buffers"):
+            t.add_column(col, justify="right")
+        for r, m in enumerate(memories):
+            t.add_row(str(r), *(f"{m[k] / MB:.3f} / {p / MB:.3f}" for k, p in
+                                (("params", weights), ("grads", grads), ("optimizer", optimizer))),
+                      *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
+        self.console.print(t)
+        steps = self.cfg.steps
+        planned = comm_bytes(self.params, self.world, recipe, stage)
+        t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
+                  title_justify="left")
+        for col in ("collective", "calls/step", "MB/step"):
+            t.add_column(col, justify="right")
+        for kind, s in comm.items():
+            t.add_row(kind, f"{s['calls'] / steps:g}", f"{s['bytes'] / steps / MB:.3f}")
+        t.add_row("total", "", f"{sum(s['bytes'] for s in comm.values()) / steps / MB:.3f}")
+        t.add_row("planned", "", f"{planned / MB:.3f}")
+        self.console.print(t)
+
+    def sample(self, text: str) -> None:
+        if self.enabled:
+            self.console.print("sample:", style="bold")
+            self.console.print(text, markup=False)
