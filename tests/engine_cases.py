@@ -61,14 +61,67 @@ class Branchy(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+GPT_SMALL = GPTConfig(vocab=32, block_size=8, layers=3, heads=2, hidden=16)
+
+
+class SkipGPT(GPT):
+    """Block 1 is skipped (by every rank) on odd steps: its parameters go unused."""
+
+    skip = False
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for k, block in enumerate(self.blocks):
+            if not (self.skip and k == 1):
+                x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class HFLoss(nn.Module):
+    """A Hugging Face causal LM called the way the loop calls every model."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x, y):
+        return self.lm(input_ids=x, labels=x, use_cache=False).loss
+
+
+def _hf(kind: str) -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=3, n_head=2,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)
+        return HFLoss(transformers.GPT2LMHeadModel(cfg))
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+                                   num_hidden_layers=3, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=8,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return HFLoss(transformers.LlamaForCausalLM(cfg))
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(1234)
+    if name == "gpt_ckpt":
+        return GPT(GPTConfig(**{**GPT_SMALL.__dict__, "checkpointing": True}))
+    if name == "gpt_frozen_skip":
+        m = SkipGPT(GPT_SMALL)
+        m.wpe.weight.requires_grad_(False)
+        return m
+    if name in ("hf_gpt2", "hf_llama"):
+        return _hf(name[3:])
     if name == "mlp":
         return MLP()
     if name == "mlp_odd":  # dims that do not divide by 3 or 4: padding appears
         return MLP(width=7)
-    if name == "gpt":
-        return GPT(GPTConfig(vocab=32, block_size=8, layers=3, heads=2, hidden=16))
+    if name in ("gpt", "gpt_tied_units"):
+        return GPT(GPT_SMALL)
     if name == "branchy":
         return Branchy()
     raise AssertionError(name)
@@ -79,7 +132,7 @@ def batch(name: str, step: int, micro: int = 0, micros: int = 1):
     g = torch.Generator().manual_seed(1000 * step + micro)
     rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world // micros
-    if name == "gpt":  # arithmetic sequences mod 32: learnable, so the loss falls
+    if name.startswith(("gpt", "hf")):  # arithmetic sequences mod 32: learnable
         start = torch.randint(0, 32, (GLOBAL_BATCH, 1), generator=g)
         stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
         seq = (start + stride * torch.arange(9)) % 32
@@ -115,15 +168,21 @@ def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: f
     """Train with zeroshard (stage 0-3) or torch DDP (stage "ddp"); return the full
     weights, the losses, and for zeroshard the model and optimizer."""
     model = build(model_name)
-    lr = 1e-3 if model_name == "gpt" else 1e-2  # nanoGPT-like; 1e-2 makes the tiny GPT chaotic
+    # nanoGPT-like; 1e-2 makes the tiny transformers chaotic
+    lr = 1e-3 if model_name.startswith(("gpt", "hf")) else 1e-2
     if stage == "ddp":
-        net = nn.parallel.DistributedDataParallel(model)
-        opt = make_optimizer(optim, model.named_parameters(), lr)
+        net = nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=model_name == "gpt_frozen_skip")
+        opt = make_optimizer(optim, [(n, p) for n, p in model.named_parameters()
+                                     if p.requires_grad], lr)
     else:
-        net = zs.shard(model, stage=stage, mixed_precision=precision)
+        units = ([model.wte, model.head, *model.blocks] if model_name == "gpt_tied_units"
+                 else "blocks")
+        net = zs.shard(model, stage=stage, mixed_precision=precision, units=units)
         opt = make_optimizer(optim, net.named_parameters(), lr)
     losses = []
     for step in range(steps):
+        model.skip = step % 2 == 1
         total = 0.0
         for micro in range(micros):
             x, y = batch(model_name, step, micro, micros)

@@ -16,6 +16,7 @@ _LAZY = {
     "shard": "zeroshard.runtime.sharded",
     "ShardedModel": "zeroshard.runtime.sharded",
     "ZeroConfig": "zeroshard.runtime.config",
+    "init_weights": "zeroshard.runtime.materialize",
 }
 
 __all__ = ["__version__", *_LAZY]

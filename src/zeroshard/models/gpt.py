@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class GPTConfig:
     """Model width."""
     dropout: float = 0.0
     """Dropout probability (0 keeps runs deterministic)."""
+    checkpointing: bool = False
+    """Recompute each block's activations in backward (``torch.utils.checkpoint``)
+    instead of keeping them: activations shrink to the block inputs."""
 
     def __post_init__(self) -> None:
         for name in ("vocab", "block_size", "layers", "heads", "hidden"):
@@ -91,14 +95,18 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.hidden)
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
         self.head.weight = self.wte.weight  # tied
-        self.apply(self._init)
+        self.apply(self.init_module)
 
     @staticmethod
-    def _init(m: nn.Module) -> None:
+    def init_module(m: nn.Module) -> None:
+        """Initialise one module's own parameters (GPT-2's scheme: N(0, 0.02) weights,
+        zero biases, unit norms); usable as ``zs.shard(..., param_init=)``."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            m.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         t = idx.shape[1]
@@ -107,7 +115,10 @@ class GPT(nn.Module):
                              f"{self.config.block_size}")
         x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.config.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

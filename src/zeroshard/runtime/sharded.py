@@ -33,6 +33,7 @@ from ..observe.ledger import Ledger
 from .collectives import Collectives
 from .config import ZeroConfig
 from .dist import default_device
+from .materialize import Materializer, has_meta
 from .optim import check_optimizer
 from .unit import Unit, UnitState
 from .units import select_units
@@ -87,7 +88,7 @@ def _check_same_model(module: nn.Module) -> None:
 
 def _broadcast_state(module: nn.Module, comm: Collectives) -> None:
     """Rank 0's parameters and buffers everywhere: one flat broadcast per dtype."""
-    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    tensors = [t.data for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
     for dtype in {t.dtype for t in tensors}:
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch._utils._flatten_dense_tensors(group)
@@ -102,7 +103,8 @@ class ShardedModel(nn.Module):
     ``parameters()`` yields what this rank's optimizer owns: shards under the original
     names, shaped ``[rows owned, *shape[1:]]``."""
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, group=None):
+    def __init__(self, module: nn.Module, config: ZeroConfig, group=None, param_init=None,
+                 seed: int = 0):
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("no process group: call zs.init_distributed() before zs.shard()")
@@ -110,13 +112,20 @@ class ShardedModel(nn.Module):
         self.config = config
         self.stage = config.stage
         self.ledger = Ledger()
-        module.to(default_device())
+        device = default_device()
+        # meta tensors stay where they are: units materialize them one at a time
+        module._apply(lambda t: t if t.is_meta else t.to(device))
         _check_same_model(module)
         self.comm = Collectives(self.ledger, group)
         if config.sync_module_states:
             with torch.no_grad():
                 _broadcast_state(module, self.comm)
+        self._materializer = (Materializer(module, device, seed, param_init)
+                              if has_meta(module) else None)
         self.units = self._build_units(select_units(module, config.units))
+        if self._materializer is not None:
+            self._materializer.finish()
+            self._materializer = None
         self._shard_ids = {id(s) for u in self.units for s in u.shards}
         position = {n: k for k, (n, _) in enumerate(module.named_parameters())}
         self._named_shards = sorted(((u.names[i], s) for u in self.units
@@ -137,18 +146,32 @@ class ShardedModel(nn.Module):
 
     # -- construction ---------------------------------------------------------------
     def _build_units(self, inner: list[nn.Module]) -> list[Unit]:
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        """A parameter belongs to the innermost unit that contains every module that
+        registers it: a weight tied across two units (embedding and output head) moves
+        to their common ancestor, which is gathered while both use it."""
+        users: dict[int, set[int]] = {}
+        for m in self.module.modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    users.setdefault(id(p), set()).add(id(m))
         depth = {id(m): n.count(".") + 1 for n, m in self.module.named_modules() if n}
+        inside = {id(u): {id(m) for m in u.modules()} for u in inner}
         owner: dict[int, nn.Module] = {}
-        for m in sorted(inner, key=lambda m: -depth[id(m)]):  # innermost claims first
-            for p in m.parameters():
-                owner.setdefault(id(p), m)
+        for u in sorted(inner, key=lambda m: -depth[id(m)]):  # innermost claims first
+            for p in u.parameters():
+                if id(p) not in owner and users[id(p)] <= inside[id(u)]:
+                    owner[id(p)] = u
         order = [self.module] + [m for m in self.module.modules() if m in inner]
+        groups: dict[int, list[str]] = {id(m): [] for m in order}
+        for n, p in self.module.named_parameters():
+            groups[id(owner.get(id(p), self.module))].append(n)
         recipe, device = self.config.recipe, default_device()
         units = []
         for m in order:
-            params = [(names[id(p)], p) for p in self.module.parameters()
-                      if owner.get(id(p), self.module) is m]
+            if self._materializer is not None:  # this unit's modules, materialized now
+                self._materializer.materialize(
+                    [self.module.get_parameter(n) for n in groups[id(m)]])
+            params = [(n, self.module.get_parameter(n)) for n in groups[id(m)]]
             if params or m is self.module:
                 units.append(Unit(len(units), m, params, self.stage, recipe, self.comm, device))
         return units
@@ -178,6 +201,8 @@ class ShardedModel(nn.Module):
         return out
 
     def _post_forward(self, unit: Unit, out) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # activation checkpointing recomputes inside backward: keep it gathered
         unit.release()
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
@@ -341,11 +366,17 @@ class ShardedModel(nn.Module):
 
 
 def shard(model: nn.Module, stage=_UNSET, *, mixed_precision=_UNSET, units=_UNSET,
-          reduce_dtype=_UNSET, config=None, group=None) -> ShardedModel:
+          reduce_dtype=_UNSET, config=None, group=None, param_init=None,
+          seed: int = 0) -> ShardedModel:
     """Shard ``model`` over the data-parallel group (default: the whole world).
 
     ``config`` may be a :class:`ZeroConfig`, a dict of its fields, a DeepSpeed config
-    dict or a path to either as JSON; explicit arguments override it."""
+    dict or a path to either as JSON; explicit arguments override it.
+
+    A model built under ``torch.device("meta")`` is materialized one unit at a time:
+    each module is initialised by ``param_init(module)`` (default: its
+    ``reset_parameters()``) under a seed derived from ``seed`` and its name, exactly as
+    ``zs.init_weights(model, seed, param_init)`` initialises an ordinary model."""
     base = ZeroConfig.load(config) if config is not None else ZeroConfig()
     given = {k: v for k, v in dict(stage=stage, mixed_precision=mixed_precision, units=units,
                                    reduce_dtype=reduce_dtype).items() if v is not _UNSET}
@@ -353,4 +384,4 @@ def shard(model: nn.Module, stage=_UNSET, *, mixed_precision=_UNSET, units=_UNSE
         fields = {f: getattr(base, f) for f in ("stage", "mixed_precision", "reduce_dtype",
                                                 "units", "sync_module_states")}
         base = ZeroConfig(**{**fields, **given})
-    return ShardedModel(model, base, group)
+    return ShardedModel(model, base, group, param_init, seed)

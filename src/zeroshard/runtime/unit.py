@@ -61,24 +61,39 @@ class Unit:
         self.master_dtype = TORCH_DTYPES[recipe.master_dtype] if recipe.master_dtype else None
         self.device = device
 
-        full = [p.detach().to(device) for p in self.params]  # identical on every rank by now
-        self.padded = []  # full parameters' storages, [world, c·row] each (1D rows, padded)
-        for slot, t in zip(self.w_layout.slots, full):
-            buf = self.w_layout.padded_empty(slot, self.compute_dtype, device)
-            buf.view(-1)[:slot.numel].copy_(t.reshape(-1))
-            buf.view(-1)[slot.numel:].zero_()
-            self.padded.append(buf)
-        self.master = None  # 1D [S_g], this rank's slot of fp32 master weights
+        # Parameter by parameter, so a rank holds the unit once plus one parameter: copy
+        # into a padded storage, take this rank's master rows, drop the original.
+        self.padded = []  # full parameters' storages, [world, c·row] each
+        self.master = None  # 1D [S_g]: this rank's slot of fp32 master weights
         if self.master_dtype is not None:
-            self.master = self._own_slot(self.g_layout, [full[i] for i in self.trainable],
-                                         self.master_dtype)
+            self.master = torch.zeros(self.g_layout.slot_numel, dtype=self.master_dtype,
+                                      device=device)
+        g_slot = {i: self.g_layout.slots[j] for j, i in enumerate(self.trainable)}
+        for i, (slot, p) in enumerate(zip(self.w_layout.slots, self.params)):
+            src = p.detach().to(device).reshape(slot.rows, slot.row_numel)
+            if (src.dtype == self.compute_dtype and src.is_contiguous()
+                    and src.storage_offset() == 0 and slot.chunk_rows * self.world == slot.rows
+                    and src.untyped_storage().nbytes() == slot.numel * src.element_size()):
+                # no padding: keep the storage, under a tensor with its own version counter
+                # (autograd must not see the optimizer's in-place updates as edits of p)
+                buf = torch.empty(0, dtype=src.dtype, device=device).set_(
+                    src.untyped_storage(), 0, (self.world, slot.chunk_numel))
+            else:
+                buf = self.w_layout.padded_empty(slot, self.compute_dtype, device)
+                buf.view(-1)[:slot.numel].copy_(src.reshape(-1))
+                buf.view(-1)[slot.numel:].zero_()
+            flat = buf.view(-1)
+            if self.master is not None and i in g_slot:
+                gs, real = g_slot[i], g_slot[i].real_rows(self.rank)
+                first = self.rank * gs.chunk_rows
+                self.master[gs.offset:gs.offset + real * gs.row_numel].copy_(
+                    src[first:first + real].reshape(-1))
+            p.data = flat[:slot.numel].view(slot.shape)
+            self.padded.append(buf)
+            del src
         self.w_shard = None  # 1D [S_w], stage 3: this rank's slot of compute weights
         if stage == 3:
-            self.w_shard = self._own_slot(self.w_layout, self.padded, self.compute_dtype,
-                                          padded=True)
-        del full
-        for p, buf, slot in zip(self.params, self.padded, self.w_layout.slots):
-            p.data = buf.view(-1)[:slot.numel].view(slot.shape)
+            self.w_shard = torch.cat([buf[self.rank] for buf in self.padded])
         self.grad_shard = None  # 1D [S_g], stages 2-3: accumulated reduced gradients
         if stage >= 2:
             self.grad_shard = torch.zeros(self.g_layout.slot_numel, dtype=self.grad_dtype,
@@ -97,15 +112,6 @@ class Unit:
             self.release()
 
     # -- construction ---------------------------------------------------------------
-    def _own_slot(self, layout, tensors, dtype, padded=False):
-        """This rank's slot of ``tensors`` (full), as a new 1D tensor of ``dtype``."""
-        if padded:  # already [world, c·row]: the slot is row `rank` of each
-            return torch.cat([t[self.rank] for t in tensors]).to(dtype)
-        packed = torch.empty(layout.world, layout.slot_numel, dtype=dtype, device=self.device)
-        layout.pack([t.reshape(s.rows, s.row_numel) for t, s in zip(tensors, layout.slots)],
-                    packed)
-        return packed[self.rank].clone()
-
     def _make_shards(self) -> list[nn.Parameter]:
         """The parameters the optimizer sees: views of this rank's rows, shaped
         ``[real_rows, *shape[1:]]``, of the master (mixed precision) or of the compute
