@@ -120,7 +120,7 @@ def build(name: str) -> nn.Module:
         return MLP()
     if name == "mlp_odd":  # dims that do not divide by 3 or 4: padding appears
         return MLP(width=7)
-    if name in ("gpt", "gpt_tied_units"):
+    if name in ("gpt", "gpt_tied_units", "gpt_persist"):
         return GPT(GPT_SMALL)
     if name == "branchy":
         return Branchy()
@@ -178,7 +178,9 @@ def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: f
     else:
         units = ([model.wte, model.head, *model.blocks] if model_name == "gpt_tied_units"
                  else "blocks")
-        net = zs.shard(model, stage=stage, mixed_precision=precision, units=units)
+        net = zs.shard(model, stage=stage, mixed_precision=precision, units=units,
+                       config={"param_persistence_threshold":
+                               100 if model_name == "gpt_persist" else 0})
         opt = make_optimizer(optim, net.named_parameters(), lr)
     losses = []
     for step in range(steps):

@@ -14,7 +14,8 @@ from . import engine_cases as cases
 
 pytestmark = pytest.mark.dist
 
-MODELS = ["gpt_tied_units", "gpt_frozen_skip", "gpt_ckpt", "hf_gpt2", "hf_llama"]
+MODELS = ["gpt_tied_units", "gpt_frozen_skip", "gpt_ckpt", "gpt_persist", "hf_gpt2",
+          "hf_llama"]
 
 
 def _meta_init():
@@ -31,8 +32,21 @@ def _meta_init():
     return out
 
 
+def _persistent():
+    """Stage 3 with biases and norms (< 100 elements) kept whole: what each rank holds."""
+    net = zs.shard(cases.build("gpt_persist"), stage=3, param_persistence_threshold=100)
+    small = sum(p.numel() for p in cases.build("gpt").parameters() if p.numel() < 100)
+    big = sum(p.numel() for p in cases.build("gpt").parameters() if p.numel() >= 100)
+    x, y = cases.batch("gpt", 0)
+    net(x, y).backward()
+    calls = net.comm_stats()["all_gather"]["calls"]
+    return {"memory": net.memory(), "small": small, "big": big, "gathers": calls,
+            "units": len(net.units)}
+
+
 def _grid():
-    return {"parity": cases.parity_grid(MODELS, ["plain"], steps=10), "meta": _meta_init()}
+    return {"parity": cases.parity_grid(MODELS, ["plain"], steps=10), "meta": _meta_init(),
+            "persistent": _persistent()}
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +72,12 @@ def test_frozen_and_unused_parameters_stay_put(grid):
     r = grid["parity"][("gpt_frozen_skip", "plain")]
     assert max(r["diff_to_ddp"]) < 1e-6
     assert dist is not None  # DDP ran with find_unused_parameters=True as the reference
+
+
+def test_persistence_threshold_keeps_small_parameters_whole(grid):
+    r = grid["persistent"]
+    # weights: every small parameter whole, the rest halved; gradients all sharded
+    assert r["memory"]["params"] == 4 * (r["small"] + r["big"] // 2)
+    assert r["memory"]["grads"] == 4 * (r["small"] + r["big"]) // 2
+    # the persistent unit is never gathered: 4 gathered units x (forward + backward)
+    assert r["units"] == 5 and r["gathers"] == 2 * 4

@@ -65,13 +65,16 @@ def test_the_command_trains_and_logs(tmp_path, capsys):
 
 
 def test_deepspeed_config_keys():
-    ds = {"zero_optimization": {"stage": 2, "overlap_comm": True}, "bf16": {"enabled": True},
+    ds = {"zero_optimization": {"stage": 2, "overlap_comm": True,
+                                "stage3_param_persistence_threshold": 1e4},
+          "bf16": {"enabled": True},
           "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 2,
           "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW"}}
     with pytest.warns(UserWarning, match="ignored by zeroshard: optimizer.type, "
                                          "zero_optimization.overlap_comm"):
         out = from_deepspeed(ds, nproc=2)
-    assert out == {"stage": 2, "precision": "bf16", "clip": 0.5, "batch": 16, "micro_batch": 2}
+    assert out == {"stage": 2, "precision": "bf16", "clip": 0.5, "batch": 16, "micro_batch": 2,
+                   "param_persistence_threshold": 10000}
     assert TrainConfig(**out).accumulation(2) == (2, 4)
 
 

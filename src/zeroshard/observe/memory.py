@@ -8,10 +8,11 @@ from collections import Counter
 from .ledger import CATEGORIES, optimizer_state_bytes, tensor_bytes
 
 
-def measure(units, stage: int, optimizer=None) -> dict[str, int]:
+def measure(units, optimizer=None) -> dict[str, int]:
     """``{category: bytes}`` for this rank's units."""
     out: Counter[str] = Counter({c: 0 for c in CATEGORIES})
     for u in units:
+        stage = u.stage
         r = u.rank
         w_item = u.compute_dtype.itemsize
         # weights: full (padded storage) below stage 3, the slot at stage 3

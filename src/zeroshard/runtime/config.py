@@ -32,6 +32,12 @@ class ZeroConfig:
     units: Any = "blocks"
     """Unit policy (see ``zeroshard.runtime.units.select_units``): "blocks", None,
     module classes, a list of modules, or a parameter count."""
+    param_persistence_threshold: int = 0
+    """Stage 3: parameters with fewer elements than this stay whole on every rank
+    between uses, in one unit that is never released (DeepSpeed's
+    ``stage3_param_persistence_threshold``): biases and norms skip the gathers, at the
+    price of their full weights on every rank; their gradients and optimizer state stay
+    sharded. 0 shards every parameter."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers at shard time, so every rank starts
     from the same weights whatever its seed."""
@@ -55,6 +61,9 @@ class ZeroConfig:
         reduce = self.reduce_dtype
         if reduce is None:
             reduce = "fp32" if recipe.master_dtype else recipe.grad_dtype
+        t = self.param_persistence_threshold
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"param_persistence_threshold={t!r} must be an integer >= 0")
         if reduce not in ("fp32", "bf16"):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}; expected 'fp32' or 'bf16'")
         object.__setattr__(self, "recipe", recipe.with_reduce_dtype(reduce))
@@ -75,15 +84,19 @@ class ZeroConfig:
         """The DeepSpeed keys zeroshard honours; every other key is named in one warning."""
         zero = d.get("zero_optimization", {})
         stage = zero.get("stage", 0)
+        persist = zero.get("stage3_param_persistence_threshold", 0)
         bf16 = d.get("bf16", {}).get("enabled", False)
         if not isinstance(bf16, bool):
             raise ValueError(f"bf16.enabled={bf16!r} must be true or false")
-        ignored = sorted([f"zero_optimization.{k}" for k in zero if k != "stage"]
+        ignored = sorted([f"zero_optimization.{k}" for k in zero
+                          if k not in ("stage", "stage3_param_persistence_threshold")]
                          + [k for k in d if k not in ("zero_optimization", "bf16")])
         if ignored:
             warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",
                           stacklevel=3)
-        return cls(stage=stage, mixed_precision="bf16" if bf16 else None)
+        return cls(stage=stage, mixed_precision="bf16" if bf16 else None,
+                   param_persistence_threshold=int(persist) if isinstance(persist, float)
+                   else persist)
 
     @classmethod
     def load(cls, config) -> ZeroConfig:

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
 import torch
@@ -40,7 +41,6 @@ from .units import select_units
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 _HOOKS: list = []
-_UNSET = object()
 
 
 def _owners(optimizer):
@@ -165,6 +165,14 @@ class ShardedModel(nn.Module):
         groups: dict[int, list[str]] = {id(m): [] for m in order}
         for n, p in self.module.named_parameters():
             groups[id(owner.get(id(p), self.module))].append(n)
+        persistent: list[str] = []
+        threshold = self.config.param_persistence_threshold if self.stage == 3 else 0
+        if threshold:
+            for names_ in groups.values():
+                persistent += [n for n in names_
+                               if self.module.get_parameter(n).numel() < threshold]
+                names_[:] = [n for n in names_
+                             if self.module.get_parameter(n).numel() >= threshold]
         recipe, device = self.config.recipe, default_device()
         units = []
         for m in order:
@@ -174,6 +182,14 @@ class ShardedModel(nn.Module):
             params = [(n, self.module.get_parameter(n)) for n in groups[id(m)]]
             if params or m is self.module:
                 units.append(Unit(len(units), m, params, self.stage, recipe, self.comm, device))
+        if persistent:  # whole on every rank: stage 2's layout inside a stage-3 model,
+            # built last (their modules are materialized by now) and reduced last
+            if self._materializer is not None:
+                self._materializer.materialize([self.module.get_parameter(n)
+                                                for n in persistent])
+            units.insert(0, Unit(len(units), self.module,
+                                 [(n, self.module.get_parameter(n)) for n in persistent], 2,
+                                 recipe, self.comm, device))
         return units
 
     def _register_hooks(self) -> None:
@@ -181,7 +197,7 @@ class ShardedModel(nn.Module):
             for i in u.trainable:
                 u.params[i].register_post_accumulate_grad_hook(
                     lambda p, u=u: self._on_grad(u))
-            if self.stage == 3:
+            if u.stage == 3:
                 u.module.register_forward_pre_hook(lambda m, a, u=u: u.gather())
                 u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
 
@@ -229,7 +245,7 @@ class ShardedModel(nn.Module):
 
     def _unit_done(self, unit: Unit) -> None:
         unit.ready = True
-        if self.stage == 3:
+        if unit.stage == 3:
             unit.release()
         self._issue_ready()
 
@@ -247,7 +263,7 @@ class ShardedModel(nn.Module):
             if not u.ready:
                 self._unit_done(u)
         for u in self.units:
-            if self.stage == 3 and u.state is UnitState.GATHERED:
+            if u.stage == 3 and u.state is UnitState.GATHERED:
                 u.release()
         self._unreduced = not self._sync
         self._in_backward = False
@@ -355,7 +371,7 @@ class ShardedModel(nn.Module):
     def memory(self, optimizer=None) -> dict[str, int]:
         """Bytes on this rank per category: params, grads, optimizer (master + state of
         ``optimizer``), padding, and the transient gathered and buffers."""
-        return _memory.measure(self.units, self.stage, optimizer)
+        return _memory.measure(self.units, optimizer)
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
         """Per collective kind: calls and bytes this rank sent (ring accounting)."""
@@ -365,23 +381,27 @@ class ShardedModel(nn.Module):
         return stats
 
 
-def shard(model: nn.Module, stage=_UNSET, *, mixed_precision=_UNSET, units=_UNSET,
-          reduce_dtype=_UNSET, config=None, group=None, param_init=None,
-          seed: int = 0) -> ShardedModel:
+def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None,
+          param_init=None, seed: int = 0, **options) -> ShardedModel:
     """Shard ``model`` over the data-parallel group (default: the whole world).
 
-    ``config`` may be a :class:`ZeroConfig`, a dict of its fields, a DeepSpeed config
-    dict or a path to either as JSON; explicit arguments override it.
+    ``stage`` and ``options`` are :class:`ZeroConfig` fields (``mixed_precision``,
+    ``units``, ``reduce_dtype``, ``param_persistence_threshold``, ...); they override
+    ``config``, which may be a ZeroConfig, a dict of its fields, a DeepSpeed config dict,
+    or a path to either as JSON.
 
     A model built under ``torch.device("meta")`` is materialized one unit at a time:
     each module is initialised by ``param_init(module)`` (default: its
     ``reset_parameters()``) under a seed derived from ``seed`` and its name, exactly as
     ``zs.init_weights(model, seed, param_init)`` initialises an ordinary model."""
     base = ZeroConfig.load(config) if config is not None else ZeroConfig()
-    given = {k: v for k, v in dict(stage=stage, mixed_precision=mixed_precision, units=units,
-                                   reduce_dtype=reduce_dtype).items() if v is not _UNSET}
-    if given:
-        fields = {f: getattr(base, f) for f in ("stage", "mixed_precision", "reduce_dtype",
-                                                "units", "sync_module_states")}
-        base = ZeroConfig(**{**fields, **given})
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(f"zs.shard() got unknown options {unknown}; accepted: "
+                         f"{sorted(fields)}")
+    if stage is not None:
+        options["stage"] = stage
+    if options:
+        base = ZeroConfig(**{**fields, **options})
     return ShardedModel(model, base, group, param_init, seed)

@@ -68,9 +68,15 @@ def run(args) -> int:
     else:
         cfg = _config(args)  # validate before launching anything
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
         from .loop import train
 
-        train(cfg)
+        try:
+            train(cfg)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
         return 0
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
     env = dict(os.environ)

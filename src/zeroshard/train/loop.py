@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..data import Corpus, decode
 from ..models.gpt import GPT, get_preset
+from ..runtime.config import ZeroConfig
 from ..runtime.dist import init_distributed
 from ..runtime.sharded import shard
 from . import report
@@ -59,8 +60,10 @@ def train(cfg: TrainConfig) -> dict:
     gpt_cfg = get_preset(cfg.model)
     seq_len = gpt_cfg.block_size
     torch.manual_seed(cfg.seed)
-    model = shard(GPT(gpt_cfg), stage=cfg.stage, units=cfg.unit_policy(),
-                  mixed_precision=None if cfg.precision == "fp32" else cfg.precision)
+    model = shard(GPT(gpt_cfg), config=ZeroConfig(
+        stage=cfg.stage, units=cfg.unit_policy(),
+        mixed_precision=None if cfg.precision == "fp32" else cfg.precision,
+        param_persistence_threshold=cfg.param_persistence_threshold))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
