@@ -65,7 +65,8 @@ def test_the_command_trains_and_logs(tmp_path, capsys):
 
 
 def test_deepspeed_config_keys():
-    ds = {"zero_optimization": {"stage": 2, "overlap_comm": True,
+    ds = {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8,
+                                "stage3_prefetch_bucket_size": 5e7,
                                 "stage3_param_persistence_threshold": 1e4},
           "bf16": {"enabled": True},
           "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 2,
@@ -74,7 +75,8 @@ def test_deepspeed_config_keys():
                                          "zero_optimization.overlap_comm"):
         out = from_deepspeed(ds, nproc=2)
     assert out == {"stage": 2, "precision": "bf16", "clip": 0.5, "batch": 16, "micro_batch": 2,
-                   "param_persistence_threshold": 10000}
+                   "param_persistence_threshold": 10000, "reduce_bucket_size": 500_000_000,
+                   "prefetch_bucket_size": 50_000_000}
     assert TrainConfig(**out).accumulation(2) == (2, 4)
 
 
@@ -82,6 +84,8 @@ def test_deepspeed_config_keys():
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4 is not a ZeRO stage"),
     ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes' must be true or false"),
     ({"train_batch_size": -8}, "train_batch_size=-8 must be a positive integer"),
+    ({"zero_optimization": {"reduce_bucket_size": "big"}},
+     "zero_optimization.reduce_bucket_size='big' must be a whole number"),
     ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
       "gradient_accumulation_steps": 2}, "train_batch_size=16 != train_micro_batch_size_per_gpu=2"),
 ])

@@ -11,6 +11,7 @@ from .ledger import CATEGORIES, optimizer_state_bytes, tensor_bytes
 def measure(units, optimizer=None) -> dict[str, int]:
     """``{category: bytes}`` for this rank's units."""
     out: Counter[str] = Counter({c: 0 for c in CATEGORIES})
+    transient: dict[int, object] = {}  # communication buffers, shared by bucketed units
     for u in units:
         stage = u.stage
         r = u.rank
@@ -44,8 +45,10 @@ def measure(units, optimizer=None) -> dict[str, int]:
         out["optimizer"] += optimizer_state_bytes(optimizer, u.shards)
         if u.step_grads is not None and u.step_grads is not u.grad_shard:
             out["buffers"] += tensor_bytes(u.step_grads)
-        for pending in (u._in_flight, u._sync_work):
+        for pending in (u._in_flight, u._sync_work, u._gather_work):
             if pending is not None:
-                out["buffers"] += sum(tensor_bytes(t) for t in {id(t): t for t in pending[1:]}
-                                      .values())
+                transient.update({id(t._base if t._base is not None else t): t
+                                  for t in pending[1:]})
+    out["buffers"] += sum(tensor_bytes(t if t._base is None else t._base)
+                          for t in transient.values())
     return dict(out)

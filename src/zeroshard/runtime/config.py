@@ -38,6 +38,19 @@ class ZeroConfig:
     ``stage3_param_persistence_threshold``): biases and norms skip the gathers, at the
     price of their full weights on every rank; their gradients and optimizer state stay
     sharded. 0 shards every parameter."""
+    prefetch: int = 1
+    """Stage 3: units whose all-gather is issued ahead of use, in the order recorded on
+    the previous pass (forward, and reversed in backward), so it overlaps the current
+    unit's compute. Each prefetched unit adds its full parameters to the peak; 0 gathers
+    only on use."""
+    prefetch_bucket_size: int = 0
+    """Stage 3: if > 0, the units prefetched at once hold at most this many elements
+    (DeepSpeed's ``stage3_prefetch_bucket_size``); the next unit is always allowed."""
+    reduce_bucket_size: int = 0
+    """If > 0, the gradient reductions of consecutive units share one collective until
+    it holds at least this many elements (DeepSpeed's ``reduce_bucket_size``): fewer,
+    larger collectives for models of many small units, at the cost of a larger
+    communication buffer. 0: one reduction per unit."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers at shard time, so every rank starts
     from the same weights whatever its seed."""
@@ -61,9 +74,11 @@ class ZeroConfig:
         reduce = self.reduce_dtype
         if reduce is None:
             reduce = "fp32" if recipe.master_dtype else recipe.grad_dtype
-        t = self.param_persistence_threshold
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"param_persistence_threshold={t!r} must be an integer >= 0")
+        for name in ("param_persistence_threshold", "prefetch", "prefetch_bucket_size",
+                     "reduce_bucket_size"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"{name}={t!r} must be an integer >= 0")
         if reduce not in ("fp32", "bf16"):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}; expected 'fp32' or 'bf16'")
         object.__setattr__(self, "recipe", recipe.with_reduce_dtype(reduce))
@@ -85,18 +100,22 @@ class ZeroConfig:
         zero = d.get("zero_optimization", {})
         stage = zero.get("stage", 0)
         persist = zero.get("stage3_param_persistence_threshold", 0)
+        prefetch = zero.get("stage3_prefetch_bucket_size", 0)
+        bucket = zero.get("reduce_bucket_size", 0)
         bf16 = d.get("bf16", {}).get("enabled", False)
         if not isinstance(bf16, bool):
             raise ValueError(f"bf16.enabled={bf16!r} must be true or false")
         ignored = sorted([f"zero_optimization.{k}" for k in zero
-                          if k not in ("stage", "stage3_param_persistence_threshold")]
+                          if k not in ("stage", "stage3_param_persistence_threshold",
+                                       "stage3_prefetch_bucket_size", "reduce_bucket_size")]
                          + [k for k in d if k not in ("zero_optimization", "bf16")])
         if ignored:
             warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",
                           stacklevel=3)
+        whole = lambda v: int(v) if isinstance(v, float) and v == int(v) else v  # noqa: E731
         return cls(stage=stage, mixed_precision="bf16" if bf16 else None,
-                   param_persistence_threshold=int(persist) if isinstance(persist, float)
-                   else persist)
+                   param_persistence_threshold=whole(persist),
+                   prefetch_bucket_size=whole(prefetch), reduce_bucket_size=whole(bucket))
 
     @classmethod
     def load(cls, config) -> ZeroConfig:

@@ -36,7 +36,7 @@ from .config import ZeroConfig
 from .dist import default_device
 from .materialize import Materializer, has_meta
 from .optim import check_optimizer
-from .unit import Unit, UnitState
+from .unit import Unit, UnitState, issue_reduce
 from .units import select_units
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -136,9 +136,13 @@ class ShardedModel(nn.Module):
         self._stepped = True  # the next backward starts a new cycle
         self._in_backward = False
         self._next_reduce = 0
+        self._bucket: list[Unit] = []  # ready units whose reduction waits for more
         self._unreduced = False  # local gradients accumulated under no_sync()
         self._finalized = False
         self._checked: set[int] = set()
+        # stage 3: the order units were gathered in, on the last pass and on this one
+        self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
+        self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._register_hooks()
         _LIVE.add(self)
         _install_step_hooks()
@@ -198,7 +202,8 @@ class ShardedModel(nn.Module):
                 u.params[i].register_post_accumulate_grad_hook(
                     lambda p, u=u: self._on_grad(u))
             if u.stage == 3:
-                u.module.register_forward_pre_hook(lambda m, a, u=u: u.gather())
+                u.module.register_forward_pre_hook(
+                    lambda m, a, u=u: self._gather(u, "forward"))
                 u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
 
     # -- forward and backward -------------------------------------------------------
@@ -210,6 +215,7 @@ class ShardedModel(nn.Module):
             cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         out = self.module(*args, **kwargs)
+        self._end_pass("forward")
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
@@ -223,7 +229,32 @@ class ShardedModel(nn.Module):
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: unit.gather(), mode="any")
+                tensors, lambda grads: self._gather(unit, "backward"), mode="any")
+
+    def _gather(self, unit: Unit, phase: str) -> None:
+        """Gather ``unit`` for use, then issue the gathers of the units that followed it
+        on the previous pass of this phase (prefetch), within the configured bounds."""
+        if phase == "forward" and torch._C._current_graph_task_id() != -1:
+            unit.gather()  # activation checkpointing's recompute: not a forward pass
+            return
+        seen, order = self._seen[phase], self._order[phase]
+        seen.append(unit)
+        unit.gather()
+        if not self.config.prefetch or unit not in order:
+            return
+        k = len(seen) - 1 if len(seen) <= len(order) and order[len(seen) - 1] is unit \
+            else order.index(unit)
+        budget = self.config.prefetch_bucket_size
+        held = 0
+        for nxt in order[k + 1:k + 1 + self.config.prefetch]:
+            held += nxt.w_layout.numel
+            if budget and held > budget and nxt is not order[k + 1]:
+                break
+            nxt.start_gather()
+
+    def _end_pass(self, phase: str) -> None:
+        if self._seen[phase]:
+            self._order[phase], self._seen[phase] = self._seen[phase], []
 
     def _on_backward_begin(self) -> None:
         if self._in_backward:
@@ -249,22 +280,36 @@ class ShardedModel(nn.Module):
             unit.release()
         self._issue_ready()
 
-    def _issue_ready(self) -> None:
+    def _issue_ready(self, flush: bool = False) -> None:
         """Issue reductions strictly in ``_reduce_order``: the same sequence on every rank."""
         order = self._reduce_order
         while self._next_reduce < len(order) and order[self._next_reduce].ready:
-            u = order[self._next_reduce]
             if self._sync and self.stage != 1:
-                u.issue_reduce(free_full=self.stage >= 2)
+                self._bucket_add(order[self._next_reduce])
             self._next_reduce += 1
+        if flush:
+            self._bucket_flush()
+
+    def _bucket_add(self, unit: Unit) -> None:
+        self._bucket.append(unit)
+        size = self.config.reduce_bucket_size
+        if sum(u.g_layout.numel for u in self._bucket) >= size:
+            self._bucket_flush()
+
+    def _bucket_flush(self) -> None:
+        if self._bucket:
+            issue_reduce(self._bucket, free_full=self.stage >= 2)
+            self._bucket = []
 
     def _on_backward_end(self) -> None:
         for u in self._reduce_order[self._next_reduce:]:
             if not u.ready:
                 self._unit_done(u)
+        self._issue_ready(flush=True)
         for u in self.units:
-            if u.stage == 3 and u.state is UnitState.GATHERED:
-                u.release()
+            if u.stage == 3 and u.state is not UnitState.SHARDED:
+                u.release()  # used by no backward this step, or prefetched and unused
+        self._end_pass("backward")
         self._unreduced = not self._sync
         self._in_backward = False
 
@@ -290,7 +335,8 @@ class ShardedModel(nn.Module):
             raise ValueError("gradients are not final during backward")
         if self.stage == 1 or self._unreduced:
             for u in self._reduce_order:
-                u.issue_reduce(free_full=self.stage >= 2)
+                self._bucket_add(u)
+            self._bucket_flush()
             self._unreduced = False
         for u in self._reduce_order:
             u.wait_reduce()

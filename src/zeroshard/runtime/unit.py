@@ -31,6 +31,9 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"
     """Stage 3 between uses: full parameters have zero-size storage; only the slot of
     compute weights (1/N of the unit, padded) is held."""
+    GATHERING = "gathering"
+    """Stage 3: an all-gather is in flight (a prefetch); the full parameters are still
+    empty, the gathered [N, S] buffer is allocated."""
     GATHERED = "gathered"
     """Full parameters allocated and filled: always below stage 3; at stage 3 from
     the unit's gather before forward (or backward) to its release after it."""
@@ -107,6 +110,7 @@ class Unit:
         self.presence = None  # [F] per trainable param: ranks x micro-batches with a gradient
         self._in_flight = None  # (work, buffers...) of an issued reduction
         self._sync_work = None  # all-gather of updated weights after a step
+        self._gather_work = None  # stage 3: (work, [N, S] buffer) of an issued gather
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
         if stage == 3:
             self.release()
@@ -128,13 +132,23 @@ class Unit:
                 for v, p in zip(views, self.params)]
 
     # -- stage 3: gather and release ------------------------------------------------
-    def gather(self) -> None:
-        """All-gather the compute weights into the full parameters' storages."""
-        if self.state is UnitState.GATHERED:
+    def start_gather(self) -> None:
+        """Issue the all-gather of the compute weights (a prefetch returns here)."""
+        if self.state is not UnitState.SHARDED:
             return
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
-        self.comm.all_gather(out, self.w_shard)
+        self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True), out)
+        self.state = UnitState.GATHERING
+
+    def gather(self) -> None:
+        """Finish (or issue and finish) the all-gather into the full parameters' storages."""
+        if self.state is UnitState.GATHERED:
+            return
+        self.start_gather()
+        work, out = self._gather_work
+        work.wait()
+        self._gather_work = None
         for p, buf in zip(self.params, self.padded):
             p.untyped_storage().resize_(buf.numel() * buf.element_size())
         self.w_layout.unpack_into(out, self.padded)
@@ -143,6 +157,8 @@ class Unit:
     def release(self) -> None:
         """Free the full parameters; autograd's saved references keep the (empty)
         storage object, which :meth:`gather` refills before backward needs it."""
+        if self.state is UnitState.GATHERING:  # a prefetch nobody used: let it land
+            self.gather()
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
@@ -172,27 +188,8 @@ class Unit:
         return grads, torch.tensor(flags, dtype=self.grad_dtype, device=self.device)
 
     def issue_reduce(self, free_full: bool) -> None:
-        """Pack the local gradients (plus one presence flag per parameter, so a
-        parameter that no rank saw gets no update) into one buffer and start its
-        all-reduce (stage 0) or reduce-scatter."""
-        self.reduced = True
-        if not self.trainable:
-            return
-        self.wait_reduce()  # the previous micro-batch's reduction lands first
-        grads, flags = self._local_grads()
-        n, S = self.comm.dp_world, self.r_layout.slot_numel
-        F = len(self.trainable)
-        buf = torch.empty(n * (S + F), dtype=self.reduce_dtype, device=self.device)
-        self.r_layout.pack(grads + [flags.expand(n, F)], buf)
-        if self.stage == 0:
-            self._in_flight = (self.comm.all_reduce(buf, grads=True, async_op=True), buf,
-                               buf.view(n, S + F))
-            return
-        out = torch.empty(S + F, dtype=self.reduce_dtype, device=self.device)
-        self._in_flight = (self.comm.reduce_scatter(out, buf, async_op=True), buf, out)
-        if free_full:
-            for i in self.trainable:
-                self.params[i].grad = None
+        """Start this unit's reduction alone (see :func:`issue_reduce`)."""
+        issue_reduce([self], free_full)
 
     def wait_reduce(self) -> None:
         """Finish an issued reduction: average, then store where the stage keeps it."""
@@ -307,3 +304,57 @@ class Unit:
             for i in rest:
                 values[self.names[i]] = full[i]
         return values
+
+
+def issue_reduce(units: list[Unit], free_full: bool) -> None:
+    """Pack the local gradients of ``units`` — plus one presence flag per parameter, so a
+    parameter that no rank saw gets no update — into one buffer and start one all-reduce
+    (stage 0) or reduce-scatter over it. One unit is the usual bucket; with
+    ``reduce_bucket_size`` consecutive units share one collective.
+
+    Rank r's slot of the buffer is [unit 1's slot r | its flags | unit 2's slot r | ...],
+    so each unit's share of the result is one contiguous range of it."""
+    for u in units:
+        u.reduced = True
+        u.wait_reduce()  # the previous micro-batch's reduction lands first
+    units = [u for u in units if u.trainable]
+    if not units:
+        return
+    first = units[0]
+    n, comm = first.comm.dp_world, first.comm
+    tensors, spans, base = [], [], 0
+    for u in units:
+        grads, flags = u._local_grads()
+        tensors += grads + [flags.expand(n, len(u.trainable))]
+        width = u.r_layout.slot_numel + len(u.trainable)
+        spans.append((base, base + width))
+        base += width
+    buf = torch.empty(n * base, dtype=first.reduce_dtype, device=first.device)
+    torch._chunk_cat(tensors, 0, n, out=buf.view(n, base))
+    if first.stage == 0:
+        work, out = comm.all_reduce(buf, grads=True, async_op=True), buf.view(n, base)
+        parts = [out[:, a:b] for a, b in spans]  # [N, S + F] each
+    else:
+        out = torch.empty(base, dtype=first.reduce_dtype, device=first.device)
+        work = comm.reduce_scatter(out, buf, async_op=True)
+        parts = [out[a:b] for a, b in spans]
+    work = _WaitOnce(work)
+    for u, part in zip(units, parts):
+        u._in_flight = (work, buf, part)
+        if free_full:
+            for i in u.trainable:
+                u.params[i].grad = None
+
+
+class _WaitOnce:
+    """A work handle shared by the units of a bucket. gloo copies a reduce-scatter's
+    result into the output on every ``wait()``, which would undo the averaging that
+    the units before have done in their part of it; so the bucket waits once."""
+
+    def __init__(self, work):
+        self.work, self.done = work, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True

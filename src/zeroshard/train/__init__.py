@@ -10,7 +10,8 @@ nodes:
 Flags override --config, which overrides the defaults. --config takes a JSON file of
 this command's settings (the flag names with underscores) or a DeepSpeed config, whose
 zero_optimization.stage, bf16.enabled, gradient_clipping, gradient_accumulation_steps,
-train_micro_batch_size_per_gpu and train_batch_size are honoured.
+train_micro_batch_size_per_gpu, train_batch_size, reduce_bucket_size,
+stage3_prefetch_bucket_size and stage3_param_persistence_threshold are honoured.
 """
 
 from __future__ import annotations

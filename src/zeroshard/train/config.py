@@ -25,6 +25,10 @@ class TrainConfig:
     parameter count per unit."""
     param_persistence_threshold: int = 0
     """Stage 3: parameters with fewer elements stay whole on every rank (no gathers)."""
+    prefetch_bucket_size: int = 0
+    """Stage 3: elements that may be prefetched at once (0: the next unit)."""
+    reduce_bucket_size: int = 0
+    """Elements per coalesced gradient reduction (0: one reduction per unit)."""
     model: str = "small"
     """Built-in GPT preset: tiny, small or medium."""
     steps: int = 400
@@ -74,9 +78,10 @@ class TrainConfig:
         if self.units not in ("blocks", "model") and not str(self.units).isdigit():
             raise ValueError(f"units={self.units!r}; expected 'blocks', 'model' or a "
                              "parameter count")
-        if self.param_persistence_threshold < 0:
-            raise ValueError(f"param_persistence_threshold={self.param_persistence_threshold} "
-                             "must be >= 0")
+        for name in ("param_persistence_threshold", "prefetch_bucket_size",
+                     "reduce_bucket_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.sample_chars < 0 or self.weight_decay < 0:
             raise ValueError("sample_chars and weight_decay must be >= 0")
 
@@ -105,6 +110,8 @@ _DEEPSPEED = {
     "train_batch_size": "batch",
     "gradient_accumulation_steps": None,  # checked against the other two
     "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
+    "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
 }
 
 
@@ -143,12 +150,14 @@ def from_deepspeed(ds: dict, nproc: int) -> dict:
                     key != "gradient_clipping" and (not isinstance(v, int) or v == 0)):
                 raise ValueError(f"{key}={v!r} must be a positive "
                                  f"{'number' if key == 'gradient_clipping' else 'integer'}")
-    key = "zero_optimization.stage3_param_persistence_threshold"
-    if key in flat:
-        v = flat[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != int(v):
-            raise ValueError(f"{key}={v!r} must be a whole number of elements >= 0")
-        out["param_persistence_threshold"] = int(v)
+    for key in ("zero_optimization.stage3_param_persistence_threshold",
+                "zero_optimization.stage3_prefetch_bucket_size",
+                "zero_optimization.reduce_bucket_size"):
+        if key in flat:
+            v = flat[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != int(v):
+                raise ValueError(f"{key}={v!r} must be a whole number of elements >= 0")
+            out[_DEEPSPEED[key]] = int(v)
     if "gradient_clipping" in flat:
         out["clip"] = flat["gradient_clipping"] or None  # DeepSpeed: 0 means no clipping
     micro = flat.get("train_micro_batch_size_per_gpu")

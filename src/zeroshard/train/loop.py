@@ -63,7 +63,8 @@ def train(cfg: TrainConfig) -> dict:
     model = shard(GPT(gpt_cfg), config=ZeroConfig(
         stage=cfg.stage, units=cfg.unit_policy(),
         mixed_precision=None if cfg.precision == "fp32" else cfg.precision,
-        param_persistence_threshold=cfg.param_persistence_threshold))
+        param_persistence_threshold=cfg.param_persistence_threshold,
+        prefetch_bucket_size=cfg.prefetch_bucket_size, reduce_bucket_size=cfg.reduce_bucket_size))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
