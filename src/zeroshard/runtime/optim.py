@@ -12,6 +12,7 @@ would see only a slice and compute something else, silently.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -49,3 +50,37 @@ def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
             f"zeroshard cannot tell whether {name} updates each element independently; at "
             f"stage {stage} each rank steps a slice, which is exact only for elementwise "
             "updates", stacklevel=3)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_HOOKS: list = []
+
+
+def _owners(optimizer):
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [m for m in list(_LIVE) if ids & m._shard_ids]
+
+
+def _pre_step(optimizer, args, kwargs) -> None:
+    for m in _owners(optimizer):
+        m._before_step(optimizer)
+
+
+def _post_step(optimizer, args, kwargs) -> None:
+    for m in _owners(optimizer):
+        m._after_step()
+
+
+def register_for_step_hooks(model) -> None:
+    """Let ``model._before_step(opt)`` / ``model._after_step()`` run around every step
+    of an optimizer that holds its shards. The hooks are installed once per process:
+    every torch optimizer's step passes through them, and they act only for the live
+    sharded models whose shards that optimizer holds."""
+    _LIVE.add(model)
+    if not _HOOKS:
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+        _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
+        _HOOKS.append(register_optimizer_step_post_hook(_post_step))

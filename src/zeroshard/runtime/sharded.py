@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -31,70 +30,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..observe import memory as _memory
 from ..observe.ledger import Ledger
+from .clip import clip_grad_norm
 from .collectives import Collectives
 from .config import ZeroConfig
+from .construct import broadcast_state, build_units, check_same_model
 from .dist import default_device
 from .materialize import Materializer, has_meta
-from .optim import check_optimizer
+from .optim import check_optimizer, register_for_step_hooks
 from .unit import Unit, UnitState, issue_reduce
 from .units import select_units
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-_HOOKS: list = []
-
-
-def _owners(optimizer):
-    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [m for m in list(_LIVE) if ids & m._shard_ids]
-
-
-def _pre_step(optimizer, args, kwargs) -> None:
-    for m in _owners(optimizer):
-        m._before_step(optimizer)
-
-
-def _post_step(optimizer, args, kwargs) -> None:
-    for m in _owners(optimizer):
-        m._after_step()
-
-
-def _install_step_hooks() -> None:
-    """Once per process: every torch optimizer's step passes through these hooks, which
-    act only for the sharded models whose shards that optimizer holds."""
-    if not _HOOKS:
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
-        _HOOKS.append(register_optimizer_step_pre_hook(_pre_step))
-        _HOOKS.append(register_optimizer_step_post_hook(_post_step))
-
-
-def _check_same_model(module: nn.Module) -> None:
-    """Every rank must shard the same parameters; name the first difference."""
-    sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
-    sigs = [None] * dist.get_world_size()
-    dist.all_gather_object(sigs, sig)
-    for rank, other in enumerate(sigs[1:], start=1):
-        for a, b in zip(sigs[0], other):
-            if a != b:
-                raise ValueError(f"rank {rank}'s model differs from rank 0's: parameter {b[0]!r} "
-                                 f"(shape {b[1]}, {b[2]}) where rank 0 has {a[0]!r} "
-                                 f"(shape {a[1]}, {a[2]})")
-        if len(other) != len(sigs[0]):
-            raise ValueError(f"rank {rank}'s model has {len(other)} parameters, rank 0's "
-                             f"{len(sigs[0])}")
-
-
-def _broadcast_state(module: nn.Module, comm: Collectives) -> None:
-    """Rank 0's parameters and buffers everywhere: one flat broadcast per dtype."""
-    tensors = [t.data for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
-    for dtype in {t.dtype for t in tensors}:
-        group = [t for t in tensors if t.dtype == dtype]
-        flat = torch._utils._flatten_dense_tensors(group)
-        comm.broadcast(flat, src=0)
-        for t, v in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
-            t.copy_(v)
 
 
 class ShardedModel(nn.Module):
@@ -115,14 +59,15 @@ class ShardedModel(nn.Module):
         device = default_device()
         # meta tensors stay where they are: units materialize them one at a time
         module._apply(lambda t: t if t.is_meta else t.to(device))
-        _check_same_model(module)
+        check_same_model(module)
         self.comm = Collectives(self.ledger, group)
         if config.sync_module_states:
             with torch.no_grad():
-                _broadcast_state(module, self.comm)
+                broadcast_state(module, self.comm)
         self._materializer = (Materializer(module, device, seed, param_init)
                               if has_meta(module) else None)
-        self.units = self._build_units(select_units(module, config.units))
+        self.units = build_units(module, select_units(module, config.units), config,
+                                 self.comm, self._materializer)
         if self._materializer is not None:
             self._materializer.finish()
             self._materializer = None
@@ -144,58 +89,10 @@ class ShardedModel(nn.Module):
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._register_hooks()
-        _LIVE.add(self)
-        _install_step_hooks()
+        register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up
 
     # -- construction ---------------------------------------------------------------
-    def _build_units(self, inner: list[nn.Module]) -> list[Unit]:
-        """A parameter belongs to the innermost unit that contains every module that
-        registers it: a weight tied across two units (embedding and output head) moves
-        to their common ancestor, which is gathered while both use it."""
-        users: dict[int, set[int]] = {}
-        for m in self.module.modules():
-            for p in m._parameters.values():
-                if p is not None:
-                    users.setdefault(id(p), set()).add(id(m))
-        depth = {id(m): n.count(".") + 1 for n, m in self.module.named_modules() if n}
-        inside = {id(u): {id(m) for m in u.modules()} for u in inner}
-        owner: dict[int, nn.Module] = {}
-        for u in sorted(inner, key=lambda m: -depth[id(m)]):  # innermost claims first
-            for p in u.parameters():
-                if id(p) not in owner and users[id(p)] <= inside[id(u)]:
-                    owner[id(p)] = u
-        order = [self.module] + [m for m in self.module.modules() if m in inner]
-        groups: dict[int, list[str]] = {id(m): [] for m in order}
-        for n, p in self.module.named_parameters():
-            groups[id(owner.get(id(p), self.module))].append(n)
-        persistent: list[str] = []
-        threshold = self.config.param_persistence_threshold if self.stage == 3 else 0
-        if threshold:
-            for names_ in groups.values():
-                persistent += [n for n in names_
-                               if self.module.get_parameter(n).numel() < threshold]
-                names_[:] = [n for n in names_
-                             if self.module.get_parameter(n).numel() >= threshold]
-        recipe, device = self.config.recipe, default_device()
-        units = []
-        for m in order:
-            if self._materializer is not None:  # this unit's modules, materialized now
-                self._materializer.materialize(
-                    [self.module.get_parameter(n) for n in groups[id(m)]])
-            params = [(n, self.module.get_parameter(n)) for n in groups[id(m)]]
-            if params or m is self.module:
-                units.append(Unit(len(units), m, params, self.stage, recipe, self.comm, device))
-        if persistent:  # whole on every rank: stage 2's layout inside a stage-3 model,
-            # built last (their modules are materialized by now) and reduced last
-            if self._materializer is not None:
-                self._materializer.materialize([self.module.get_parameter(n)
-                                                for n in persistent])
-            units.insert(0, Unit(len(units), self.module,
-                                 [(n, self.module.get_parameter(n)) for n in persistent], 2,
-                                 recipe, self.comm, device))
-        return units
-
     def _register_hooks(self) -> None:
         for u in self.units:
             for i in u.trainable:
@@ -359,40 +256,11 @@ class ShardedModel(nn.Module):
         super().zero_grad(set_to_none)
         self._stepped = True
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards (padding never counts); return
-        the norm. Each rank sums ``|g|^p`` over the rows it owns — at stage 0 over the
-        rows it *would* own at N ranks — and one all-reduce adds them, so every stage
-        computes the same norm bit for bit."""
+        the norm (see :func:`zeroshard.runtime.clip.clip_grad_norm`)."""
         self._finalize_grads()
-        norm_type = float(norm_type)
-        n, r = self.comm.dp_world, self.comm.dp_rank
-        parts, grads = [], []
-        for u in self.units:
-            for i in u.trainable:
-                g = u.shards[i].grad
-                if g is None:
-                    continue
-                grads.append(g)
-                if self.stage == 0:  # this rank's would-be shard rows
-                    rows = u.params[i].shape[0] if u.params[i].dim() else 1
-                    c = -(-rows // n)
-                    g = g.reshape(rows, -1)[r * c:(r + 1) * c]
-                parts.append(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
-        local = torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64)
-        if norm_type == float("inf"):
-            total = local.max()
-            self.comm.all_reduce(total, op=dist.ReduceOp.MAX)
-        else:
-            total = local.pow(norm_type).sum()
-            self.comm.all_reduce(total)
-            total = total.pow(1.0 / norm_type)
-        total = total.to(torch.float32)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef)
-        return total
+        return clip_grad_norm(self.units, self.comm, self.stage, max_norm, norm_type)
 
     # -- inspection -----------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,

@@ -1,0 +1,84 @@
+"""Building a sharded model: checking that ranks agree, broadcasting rank 0's state,
+and cutting the model into units (which unit owns which parameter)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .collectives import Collectives
+from .dist import default_device
+from .unit import Unit
+
+
+def check_same_model(module: nn.Module) -> None:
+    """Every rank must shard the same parameters; name the first difference."""
+    sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    sigs = [None] * dist.get_world_size()
+    dist.all_gather_object(sigs, sig)
+    for rank, other in enumerate(sigs[1:], start=1):
+        for a, b in zip(sigs[0], other):
+            if a != b:
+                raise ValueError(f"rank {rank}'s model differs from rank 0's: parameter {b[0]!r} "
+                                 f"(shape {b[1]}, {b[2]}) where rank 0 has {a[0]!r} "
+                                 f"(shape {a[1]}, {a[2]})")
+        if len(other) != len(sigs[0]):
+            raise ValueError(f"rank {rank}'s model has {len(other)} parameters, rank 0's "
+                             f"{len(sigs[0])}")
+
+
+def broadcast_state(module: nn.Module, comm: Collectives) -> None:
+    """Rank 0's parameters and buffers everywhere: one flat broadcast per dtype."""
+    tensors = [t.data for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
+    for dtype in {t.dtype for t in tensors}:
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch._utils._flatten_dense_tensors(group)
+        comm.broadcast(flat, src=0)
+        for t, v in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+            t.copy_(v)
+
+
+def build_units(module: nn.Module, inner: list[nn.Module], config, comm: Collectives,
+                materializer) -> list[Unit]:
+    """A parameter belongs to the innermost unit that contains every module that
+    registers it: a weight tied across two units (embedding and output head) moves
+    to their common ancestor, which is gathered while both use it."""
+    users: dict[int, set[int]] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                users.setdefault(id(p), set()).add(id(m))
+    depth = {id(m): n.count(".") + 1 for n, m in module.named_modules() if n}
+    inside = {id(u): {id(m) for m in u.modules()} for u in inner}
+    owner: dict[int, nn.Module] = {}
+    for u in sorted(inner, key=lambda m: -depth[id(m)]):  # innermost claims first
+        for p in u.parameters():
+            if id(p) not in owner and users[id(p)] <= inside[id(u)]:
+                owner[id(p)] = u
+    order = [module] + [m for m in module.modules() if m in inner]
+    groups: dict[int, list[str]] = {id(m): [] for m in order}
+    for n, p in module.named_parameters():
+        groups[id(owner.get(id(p), module))].append(n)
+    persistent: list[str] = []
+    threshold = config.param_persistence_threshold if config.stage == 3 else 0
+    if threshold:
+        for names_ in groups.values():
+            persistent += [n for n in names_ if module.get_parameter(n).numel() < threshold]
+            names_[:] = [n for n in names_ if module.get_parameter(n).numel() >= threshold]
+    recipe, device = config.recipe, default_device()
+    units = []
+    for m in order:
+        if materializer is not None:  # this unit's modules, materialized now
+            materializer.materialize([module.get_parameter(n) for n in groups[id(m)]])
+        params = [(n, module.get_parameter(n)) for n in groups[id(m)]]
+        if params or m is module:
+            units.append(Unit(len(units), m, params, config.stage, recipe, comm, device))
+    if persistent:  # whole on every rank: stage 2's layout inside a stage-3 model,
+        # built last (their modules are materialized by now) and reduced last
+        if materializer is not None:
+            materializer.materialize([module.get_parameter(n) for n in persistent])
+        units.insert(0, Unit(len(units), module,
+                             [(n, module.get_parameter(n)) for n in persistent], 2,
+                             recipe, comm, device))
+    return units
