@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import zeroshard as zs
 from zeroshard.models.gpt import GPT, GPTConfig
 
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = 12
 
 
 class Block(nn.Module):

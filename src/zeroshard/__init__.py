@@ -17,6 +17,9 @@ _LAZY = {
     "ShardedModel": "zeroshard.runtime.sharded",
     "ZeroConfig": "zeroshard.runtime.config",
     "init_weights": "zeroshard.runtime.materialize",
+    "save": "zeroshard.checkpoint",
+    "load": "zeroshard.checkpoint",
+    "load_pretrained": "zeroshard.checkpoint",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -268,11 +268,21 @@ class ShardedModel(nn.Module):
         for name, shard in self._named_shards:
             yield prefix + name, shard
 
+    def _wait_sync(self) -> None:
+        """Wait for the all-gathers that bring compute weights up to date after a step."""
+        for u in self.units:
+            u.wait_sync()
+
+    def _refresh_compute(self) -> None:
+        """Recompute every compute weight from the shards (after a load)."""
+        for u in self.units:
+            u.refresh_compute()
+        self._wait_sync()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights (the fp32 master where there is one) and buffers under
         their original names. A collective: every rank must call it."""
-        for u in self.units:
-            u.wait_sync()
+        self._wait_sync()
         values = {}
         for u in self.units:
             values.update(u.full_tensors())

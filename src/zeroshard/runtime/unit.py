@@ -249,6 +249,10 @@ class Unit:
         if self.master is not None:
             for i in self.trainable:
                 self.shards[i].grad = None  # fp32 copies: free them now
+        self.refresh_compute()
+
+    def refresh_compute(self) -> None:
+        """Bring the compute weights up to date with the (updated or loaded) shards."""
         if not self.trainable:
             return
         if self.stage == 0:
@@ -261,6 +265,7 @@ class Unit:
                 for i in self.trainable:
                     w_views[i].copy_(self.shards[i].detach())
         else:  # stages 1-2: all-gather the updated rows into every rank's full weights
+            self.wait_sync()
             if self.master is not None:
                 inp = self.master.to(self.compute_dtype)
             else:

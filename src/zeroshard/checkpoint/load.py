@@ -1,0 +1,135 @@
+"""Loading a sharded checkpoint at any N and any stage (see the format note in
+``zeroshard.checkpoint.sharded``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from .sharded import entries, read_manifest, resolve, verify
+
+
+def _pieces(manifest: dict, name: str, a: int, b: int):
+    """(file, file rows [fa, fb), target rows [ta, tb)) covering full rows [a, b)."""
+    out = []
+    for fname, info in sorted(manifest["files"].items()):
+        rows = info["rows"].get(name)
+        if rows is None:
+            continue
+        lo, hi = max(a, rows[0]), min(b, rows[1])
+        if lo < hi:
+            out.append((fname, lo - rows[0], hi - rows[0], lo - a, hi - a))
+    return out
+
+
+def check_model(manifest: dict, model, path: Path) -> None:
+    saved = manifest["params"]
+    current = {e.name: list(e.shape) for e in entries(model)}
+    for name, shape in current.items():
+        if name not in saved:
+            raise ValueError(f"{path}: checkpoint of a different model: it has no parameter "
+                             f"{name!r}")
+        if saved[name]["shape"] != shape:
+            raise ValueError(f"{path}: checkpoint of a different model: {name!r} has shape "
+                             f"{tuple(saved[name]['shape'])}, the model {tuple(shape)}")
+    extra = sorted(set(saved) - set(current))
+    if extra:
+        raise ValueError(f"{path}: checkpoint of a different model: the model has no "
+                         f"parameter {extra[0]!r}")
+
+
+def _agree(model, problem: str | None) -> None:
+    """Every rank raises if any rank found a problem: nothing is half-applied."""
+    problems = [None] * model.comm.dp_world
+    dist.all_gather_object(problems, problem, group=model.comm.group)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise ValueError(first)
+
+
+def load(model, optimizer, path: str | Path) -> dict:
+    """Load a checkpoint written by :func:`save` at any N and stage into ``model`` and
+    ``optimizer``; return its ``extra``. ``path`` is a checkpoint or a directory with a
+    ``latest`` pointer."""
+    rank, world = model.comm.dp_rank, model.comm.dp_world
+    problem, manifest, ckpt, plan = None, None, None, []
+    try:
+        ckpt = resolve(path)
+        manifest = read_manifest(ckpt)
+        check_model(manifest, model, ckpt)
+        for e in entries(model):
+            a, b = e.held()  # what this rank keeps: its shard, or whole weights
+            pieces = _pieces(manifest, e.name, a, b)
+            if sum(p[2] - p[1] for p in pieces) != b - a:
+                raise ValueError(f"{ckpt}: rows {a}-{b} of {e.name!r} are in no file "
+                                 "(a rank file is missing from the manifest)")
+            plan.append((e, a, b, pieces))
+        needed = {p[0] for _, _, _, pieces in plan for p in pieces}
+        needed.add(f"rank{0:05d}.safetensors")  # buffers
+        if manifest["world"] == world:
+            needed.add(f"rank{rank:05d}.safetensors")  # this rank's RNG state
+        problem = verify(ckpt, manifest, needed)
+        if problem is None and optimizer is not None:
+            problem = _check_groups(manifest, model, optimizer, ckpt)
+    except ValueError as exc:
+        problem = str(exc)
+    _agree(model, problem)
+    _apply(model, optimizer, ckpt, manifest, plan, rank, world)
+    return manifest["extra"]
+
+
+def _check_groups(manifest, model, optimizer, ckpt) -> str | None:
+    saved = (manifest.get("optimizer") or {}).get("param_groups")
+    if saved is None:
+        return f"{ckpt}: saved without an optimizer, cannot restore {type(optimizer).__name__}"
+    names = {id(s): n for n, s in model._named_shards}
+    if len(saved) != len(optimizer.param_groups):
+        return (f"{ckpt}: {len(saved)} optimizer param groups saved, the optimizer has "
+                f"{len(optimizer.param_groups)}")
+    for k, (g, s) in enumerate(zip(optimizer.param_groups, saved)):
+        if [names[id(p)] for p in g["params"]] != s["params"]:
+            return f"{ckpt}: optimizer param group {k} holds other parameters than saved"
+    return None
+
+
+def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world: int) -> None:
+    handles = {}
+
+    def opened(fname):
+        if fname not in handles:
+            handles[fname] = safe_open(str(ckpt / fname), framework="pt")
+        return handles[fname]
+
+    with torch.no_grad():
+        for e, a, b, pieces in plan:
+            target = e.local(a, b)
+            for fname, fa, fb, ta, tb in pieces:
+                piece = opened(fname).get_slice(e.name)[fa:fb]
+                target[ta:tb].copy_(piece.reshape(tb - ta, -1))
+            if optimizer is None or not e.trainable:
+                continue
+            f = opened(pieces[0][0])
+            state = {}
+            for full_key in [k for k in f.keys() if k.startswith(e.name + "::")]:
+                key = full_key.split("::", 1)[1]
+                if not f.get_slice(full_key).get_shape():  # a scalar such as Adam's step
+                    state[key] = f.get_tensor(full_key)
+                    continue
+                rows = [opened(fname).get_slice(full_key)[fa:fb] for fname, fa, fb, _, _ in pieces]
+                state[key] = torch.cat(rows).reshape(e.shard.shape).to(e.shard.device)
+            if state:
+                optimizer.state[e.shard] = state
+        if optimizer is not None:
+            for g, s in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
+                for k, v in s.items():
+                    if k != "params":
+                        g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+        f0 = opened(f"rank{0:05d}.safetensors")
+        for name, buf in model.module.named_buffers():
+            buf.copy_(f0.get_tensor(f"{name}::buffer"))
+        if manifest["world"] == world:
+            torch.set_rng_state(opened(f"rank{rank:05d}.safetensors").get_tensor("__rng_state__"))
+    model._refresh_compute()

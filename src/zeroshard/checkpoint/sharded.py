@@ -1,0 +1,207 @@
+"""Sharded checkpoints: ``save`` and ``load``.
+
+[Note: format] A checkpoint is a directory of one ``rankNNNNN.safetensors`` per rank and
+a ``manifest.json``. Tensors are keyed by original parameter name: ``name`` holds the
+fp32 master rows (the weights themselves when there is no master; the compute weights
+for a frozen parameter), ``name::key`` the optimizer state ``key`` for those rows, and
+every file records which rows ``[a, b)`` of each full parameter it holds. Rank r of N
+writes rows ``[r·c, r·c + c)``, c = ceil(rows / N) — its shard, or at stage 0 the rows it
+would own — so saving never gathers and the format depends on neither the stage nor
+the unit policy. Loading reads, for each parameter, the rows the loading rank needs,
+from whichever files hold them: any N and any stage can load any checkpoint.
+
+safetensors rather than torch.distributed.checkpoint: its lazy row slices make the
+resharding read exact, a file can be written tensor by tensor (no copy of the shard in
+memory) and checked by one sha256, and export/inspect need no process group.
+
+[Note: atomicity] Ranks write into ``<name>.partial``; after a barrier rank 0 writes
+the manifest (with every file's size and sha256) and renames the directory into place,
+then replaces the ``latest`` pointer beside it. A rank killed at any moment leaves the
+previous checkpoint and ``latest`` untouched. Loading checks every file it needs
+(present, size, sha256, the model's names and shapes) on every rank, and agrees across
+ranks, before it changes anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .tensorfile import fsync_dir, sha256_file, write_tensors
+
+FORMAT = "zeroshard-checkpoint"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+def _rows(shape) -> int:
+    return shape[0] if len(shape) else 1
+
+
+def own_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [a, b) that rank r of ``world`` holds in a checkpoint (dim-0 chunks)."""
+    c = -(-rows // world)
+    a = min(rows, rank * c)
+    return a, min(rows, a + c)
+
+
+class _Entry:
+    """One parameter of a sharded model, and where its rows live on this rank."""
+
+    def __init__(self, name, unit, index):
+        self.name, self.unit, self.index = name, unit, index
+        self.shard = unit.shards[index]
+        self.shape = tuple(unit.params[index].shape)
+        self.rows = _rows(self.shape)
+        self.trainable = index in unit.trainable
+        # A frozen parameter below stage 3 lives whole in its compute weights; anything
+        # else is read and written through the optimizer-facing shard (the master).
+        self.source = self.shard if self.trainable or unit.stage == 3 else unit.params[index]
+        self.first = 0 if self.source is not self.shard else unit.rank * -(-self.rows //
+                                                                            unit.world)
+        self.count = (self.source.shape[0] if self.source.dim() else 1)
+
+    def local(self, a: int, b: int) -> torch.Tensor:
+        """This rank's view of full rows [a, b) (which it must hold), as [b - a, row]."""
+        return self.source.detach().reshape(self.count, -1)[a - self.first:b - self.first]
+
+    def held(self) -> tuple[int, int]:
+        """Full rows whose values this rank holds."""
+        return self.first, self.first + self.count
+
+
+def entries(model) -> list[_Entry]:
+    by_name = {u.names[i]: _Entry(u.names[i], u, i) for u in model.units
+               for i in range(len(u.names))}
+    return [by_name[n] for n, _ in model._named_shards]
+
+
+def _state(optimizer, shard) -> dict:
+    return {} if optimizer is None else optimizer.state.get(shard, {})
+
+
+def _per_element(value, shard) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == shard.shape
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or the one a directory's ``latest`` pointer names."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    if (path / LATEST).exists():
+        return path / (path / LATEST).read_text().strip()
+    raise ValueError(f"{path} is not a zeroshard checkpoint: no {MANIFEST} and no {LATEST} "
+                     "pointer")
+
+
+def read_manifest(ckpt: Path) -> dict:
+    from .._jsonfile import read_json_object
+
+    manifest = read_json_object(ckpt / MANIFEST, "checkpoint manifest")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{ckpt / MANIFEST}: not a {FORMAT} manifest")
+    return manifest
+
+
+def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
+    """Write a checkpoint of ``model`` (a ShardedModel) and ``optimizer`` to directory
+    ``path``, every rank its own rows in parallel; move ``latest`` beside it last.
+    ``extra`` (JSON) is stored in the manifest and returned by :func:`load`."""
+    rank, world = model.comm.dp_rank, model.comm.dp_world
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    model._wait_sync()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier(model.comm.group)
+    plan, rows = [], {}
+    for e in entries(model):
+        a, b = own_rows(e.rows, rank, world)
+        if a == b:
+            continue
+        rows[e.name] = [a, b]
+        plan.append((e.name, (b - a, *e.shape[1:]), e.source.dtype,
+                     lambda e=e, a=a, b=b: e.local(a, b).reshape(b - a, *e.shape[1:])))
+        for key, value in _state(optimizer, e.shard).items():
+            if _per_element(value, e.shard):
+                plan.append((f"{e.name}::{key}", (b - a, *e.shape[1:]), value.dtype,
+                             lambda v=value, e=e, a=a, b=b: v.reshape(v.shape[0] if v.dim()
+                                                                      else 1, -1)
+                             [a - e.first:b - e.first].reshape(b - a, *e.shape[1:])))
+            elif torch.is_tensor(value) or isinstance(value, (int, float)):
+                t = torch.as_tensor(value)
+                plan.append((f"{e.name}::{key}", (), t.dtype, lambda t=t: t))
+    rng = torch.get_rng_state()
+    plan.append(("__rng_state__", tuple(rng.shape), rng.dtype, lambda: rng))
+    if rank == 0:
+        for name, buf in model.module.named_buffers():
+            plan.append((f"{name}::buffer", tuple(buf.shape), buf.dtype, lambda b=buf: b))
+    fname = f"rank{rank:05d}.safetensors"
+    sha, size = write_tensors(str(partial / fname), plan, {"rows": json.dumps(rows)})
+    files = [None] * world
+    dist.all_gather_object(files, {"file": fname, "sha256": sha, "bytes": size, "rows": rows},
+                           group=model.comm.group)
+    if rank == 0:
+        _publish(model, optimizer, path, partial, files, extra or {})
+    dist.barrier(model.comm.group)
+    return path
+
+
+def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
+    names = {id(s): n for n, s in model._named_shards}
+    groups = []
+    for g in (optimizer.param_groups if optimizer is not None else []):
+        hyper = {k: v for k, v in g.items() if k != "params"
+                 and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+        groups.append({**hyper, "params": [names[id(p)] for p in g["params"]]})
+    manifest = {
+        "format": FORMAT, "version": 1, "world": model.comm.dp_world,
+        "stage": model.stage, "recipe": model.config.recipe.name,
+        "params": {e.name: {"shape": list(e.shape), "dtype": str(e.source.dtype)[6:],
+                            "trainable": e.trainable} for e in entries(model)},
+        "buffers": {n: list(b.shape) for n, b in model.module.named_buffers()},
+        "optimizer": None if optimizer is None else {"class": type(optimizer).__name__,
+                                                     "param_groups": groups},
+        "files": {f["file"]: {k: f[k] for k in ("sha256", "bytes", "rows")} for f in files},
+        "extra": extra,
+    }
+    with open(partial / MANIFEST, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(str(partial))
+    if path.exists():  # overwriting: move the old one aside first, drop it after
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, path)
+    pointer = path.parent / (LATEST + ".partial")
+    pointer.write_text(path.name + "\n")
+    os.replace(pointer, path.parent / LATEST)
+    fsync_dir(str(path.parent))
+
+
+def verify(ckpt: Path, manifest: dict, needed: set[str]) -> str | None:
+    """The first problem with the files in ``needed``, or None."""
+    for fname in sorted(needed):
+        info = manifest["files"].get(fname)
+        p = ckpt / fname
+        if info is None:
+            return f"{p}: not listed in the manifest"
+        if not p.exists():
+            return f"{p}: missing"
+        if p.stat().st_size != info["bytes"]:
+            return f"{p}: {p.stat().st_size} bytes, the manifest says {info['bytes']} (truncated?)"
+        if sha256_file(str(p)) != info["sha256"]:
+            return f"{p}: checksum mismatch (corrupted)"
+    return None
