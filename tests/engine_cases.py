@@ -127,10 +127,11 @@ def build(name: str) -> nn.Module:
     raise AssertionError(name)
 
 
-def batch(name: str, step: int, micro: int = 0, micros: int = 1):
+def batch(name: str, step: int, micro: int = 0, micros: int = 1, rank=None, world=None):
     """This rank's slice of the global batch for a step (same for every implementation)."""
     g = torch.Generator().manual_seed(1000 * step + micro)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank is None:
+        rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world // micros
     if name.startswith(("gpt", "hf")):  # arithmetic sequences mod 32: learnable
         start = torch.randint(0, 32, (GLOBAL_BATCH, 1), generator=g)

@@ -13,6 +13,8 @@ import sys
 COMMANDS = {
     "plan": ("zeroshard.plan.command", "memory and communication per GPU before a run"),
     "train": ("zeroshard.train", "train the built-in GPT on the built-in corpus over N processes"),
+    "export": ("zeroshard.checkpoint.export_cmd", "a checkpoint as consolidated safetensors"),
+    "inspect": ("zeroshard.checkpoint.inspect_cmd", "what a checkpoint holds, checksums checked"),
     "demo": ("zeroshard.demo", "the ZeRO-1 experiment of the source documents on real processes"),
 }
 

@@ -49,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-chars", type=int, help=f"bytes to sample at the end "
                                                     f"(default {d.sample_chars})")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per step")
+    p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints here")
+    p.add_argument("--save-every", type=int, help="checkpoint every this many steps "
+                                                  "(default: only at the end)")
+    p.add_argument("--resume", metavar="CKPT", help="a checkpoint path, or 'latest' in "
+                                                    "--save-dir; any --nproc and --stage")
+    p.add_argument("--init-from", metavar="PATH", help="initial weights from consolidated "
+                                                       "safetensors")
     p.add_argument("--config", metavar="FILE", help="JSON settings or a DeepSpeed config")
 
 

@@ -56,6 +56,15 @@ class TrainConfig:
     """Bytes of text sampled from the trained model at the end (0: none)."""
     json_log: str | None = None
     """Write one JSON object per step to this file."""
+    save_dir: str | None = None
+    """Write sharded checkpoints here (``step-NNNNNN`` and a ``latest`` pointer)."""
+    save_every: int | None = None
+    """Checkpoint every this many steps (and at the end); None: only at the end."""
+    resume: str | None = None
+    """Resume from a checkpoint: a path, or "latest" for the newest in ``save_dir``.
+    Any --nproc and --stage can resume any checkpoint."""
+    init_from: str | None = None
+    """Initialise the weights from consolidated safetensors (a file or directory)."""
 
     def __post_init__(self) -> None:
         def positive(name, allow_none=False):
@@ -67,7 +76,7 @@ class TrainConfig:
 
         for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches"):
             positive(name)
-        for name in ("micro_batch", "clip", "warmup"):
+        for name in ("micro_batch", "clip", "warmup", "save_every"):
             positive(name, allow_none=True)
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
@@ -82,6 +91,10 @@ class TrainConfig:
                      "reduce_bucket_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.resume == "latest" and not self.save_dir:
+            raise ValueError("resume='latest' needs save_dir")
+        if self.resume and self.init_from:
+            raise ValueError("resume and init_from contradict each other; give one")
         if self.sample_chars < 0 or self.weight_decay < 0:
             raise ValueError("sample_chars and weight_decay must be >= 0")
 

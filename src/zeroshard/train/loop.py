@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import load, load_pretrained, save
 from ..data import Corpus, decode
 from ..models.gpt import GPT, get_preset
 from ..runtime.config import ZeroConfig
@@ -73,15 +76,24 @@ def train(cfg: TrainConfig) -> dict:
     corpus = Corpus.builtin()
     params = sum(p.numel() for p in GPT(gpt_cfg).parameters()) if rank == 0 else 0
     out = report.Reporter(cfg, world, micro, accum, params, enabled=rank == 0)
-    log = open(cfg.json_log, "w", encoding="utf-8") if cfg.json_log and rank == 0 else None
+    log = (open(cfg.json_log, "a" if cfg.resume else "w", encoding="utf-8")
+           if cfg.json_log and rank == 0 else None)
     losses, evals = [], []
+    start = 0
+    if cfg.init_from:
+        load_pretrained(model, cfg.init_from)
+    if cfg.resume:
+        extra = load(model, optimizer, Path(cfg.save_dir) if cfg.resume == "latest"
+                     else cfg.resume)
+        start = extra["step"]
+        scheduler.load_state_dict(extra["scheduler"])
     first_eval = evaluate(model, corpus, cfg, "val", rank, world, seq_len)
-    out.start(first_eval)
+    out.start(first_eval, start)
     tokens_per_step = cfg.batch * seq_len
     model.comm_stats(reset=True)
     comm: dict[str, dict[str, int]] = {}  # training steps only, evaluations left out
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             x, y = corpus.batch("train", cfg.seed, step, cfg.batch, seq_len)
             base = rank * cfg.batch // world
@@ -112,6 +124,12 @@ def train(cfg: TrainConfig) -> dict:
                 out.eval_line(record)
                 model.comm_stats(reset=True)
             out.step(record)
+            if cfg.save_dir and ((cfg.save_every and (step + 1) % cfg.save_every == 0)
+                                 or step + 1 == cfg.steps):
+                save(model, optimizer, Path(cfg.save_dir) / f"step-{step + 1:06d}",
+                     extra={"step": step + 1, "scheduler": scheduler.state_dict(),
+                            "config": asdict(cfg)})
+                model.comm_stats(reset=True)
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()

@@ -25,7 +25,7 @@ class Reporter:
         self.progress = None
         self.steps_done = 0
 
-    def start(self, val_loss: float) -> None:
+    def start(self, val_loss: float, first_step: int = 0) -> None:
         if not self.enabled:
             return
         c = self.cfg
@@ -33,15 +33,18 @@ class Reporter:
             f"zeroshard train: GPT {c.model} ({self.params:,} params), {self.world} processes, "
             f"ZeRO stage {c.stage}, {c.precision}, units={c.units}; global batch {c.batch} = "
             f"{self.world} x {self.micro} x {self.accum} micro-batch(es), {c.steps} steps")
-        self.console.print(f"step 0: val loss {val_loss:.4f}")
+        resumed = " (resumed)" if first_step else ""
+        self.console.print(f"step {first_step}{resumed}: val loss {val_loss:.4f}")
         self.progress = Progress(
             TextColumn("step"), MofNCompleteColumn(), BarColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("ETA"), TimeRemainingColumn(), console=self.console)
-        self.task = self.progress.add_task("train", total=c.steps, loss="-", tps="-")
+        self.task = self.progress.add_task("train", total=c.steps, completed=first_step,
+                                           loss="-", tps="-")
         self.progress.start()
 
     def step(self, record: dict) -> None:
+        self.steps_done += 1
         if self.enabled:
             self.progress.update(self.task, advance=1, loss=f"{record['loss']:.4f}",
                                  tps=f"{record['tokens_per_s']:,.0f}")
@@ -71,7 +74,7 @@ class Reporter:
                                 (("params", weights), ("grads", grads), ("optimizer", optimizer))),
                       *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
         self.console.print(t)
-        steps = self.cfg.steps
+        steps = max(1, self.steps_done)
         planned = comm_bytes(self.params, self.world, recipe, stage)
         t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
                   title_justify="left")

@@ -1,0 +1,128 @@
+"""Consolidated (unsharded) safetensors: export a sharded checkpoint, one parameter at a
+time, in the Hugging Face layout; and initialise a sharded model from one, each rank
+reading only the rows it keeps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from ..runtime.dist import TORCH_DTYPES
+from .load import _agree, _pieces
+from .sharded import entries, read_manifest, resolve, verify
+from .tensorfile import write_tensors
+
+_INT = {"I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
+           max_shard_bytes: int = 5 * 10**9) -> dict:
+    """Write ``out_dir/model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files
+    of at most ``max_shard_bytes`` and an index) from a sharded checkpoint, holding one
+    parameter in memory at a time. Returns {file: [names]}."""
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype={dtype!r}; expected 'fp32' or 'bf16'")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+    ckpt = resolve(ckpt_path)
+    manifest = read_manifest(ckpt)
+    problem = verify(ckpt, manifest, set(manifest["files"]))
+    if problem:
+        raise ValueError(problem)
+    out_dtype = TORCH_DTYPES[dtype]
+    handles: dict[str, object] = {}
+
+    def opened(fname):
+        if fname not in handles:
+            handles[fname] = safe_open(str(ckpt / fname), framework="pt")
+        return handles[fname]
+
+    def assemble(name, shape):
+        rows = shape[0] if shape else 1
+        parts = [opened(f).get_slice(name)[fa:fb] for f, fa, fb, _, _ in
+                 _pieces(manifest, name, 0, rows)]
+        return torch.cat(parts).reshape(shape).to(out_dtype)
+
+    items = [(n, tuple(p["shape"])) for n, p in manifest["params"].items()]
+    f0 = f"rank{0:05d}.safetensors"
+    buffers = [(n, tuple(s)) for n, s in manifest["buffers"].items()]
+    entries_ = [(n, s, out_dtype, lambda n=n, s=s: assemble(n, s)) for n, s in items]
+    for n, s in buffers:
+        src_dtype = opened(f0).get_slice(f"{n}::buffer").get_dtype()
+        bdtype = out_dtype if src_dtype in ("F32", "BF16", "F16", "F64") else _INT[src_dtype]
+        entries_.append((n, s, bdtype, lambda n=n: opened(f0).get_tensor(f"{n}::buffer")))
+    files, current, size = [], [], 0
+    for e in entries_:
+        nbytes = e[2].itemsize * int(torch.Size(e[1]).numel())
+        if current and size + nbytes > max_shard_bytes:
+            files.append(current)
+            current, size = [], 0
+        current.append(e)
+        size += nbytes
+    files.append(current)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = ([SINGLE] if len(files) == 1 else
+             [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])
+    layout, total = {}, 0
+    for fname, group in zip(names, files):
+        write_tensors(str(out_dir / fname), group, {"format": "pt"})
+        layout[fname] = [e[0] for e in group]
+        total += sum(e[2].itemsize * int(torch.Size(e[1]).numel()) for e in group)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for f, ns in layout.items() for n in ns}}
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2))
+    return layout
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    if path.is_file():
+        with safe_open(str(path), framework="pt") as f:
+            return dict.fromkeys(f.keys(), path)
+    if (path / INDEX).exists():
+        index = json.loads((path / INDEX).read_text())
+        return {n: path / f for n, f in index["weight_map"].items()}
+    if (path / SINGLE).exists():
+        return _weight_map(path / SINGLE)
+    raise ValueError(f"{path}: no {SINGLE}, no {INDEX} and not a safetensors file")
+
+
+def load_pretrained(model, path: str | Path) -> None:
+    """Initialise a ShardedModel from consolidated safetensors (a file, or a directory
+    with ``model.safetensors`` or an index): each rank reads only the rows it keeps."""
+    problem, plan = None, []
+    try:
+        wmap = _weight_map(Path(path))
+        handles: dict[Path, object] = {}
+        for e in entries(model):
+            if e.name not in wmap:
+                raise ValueError(f"{path}: no tensor {e.name!r} for the model's parameter")
+            if wmap[e.name] not in handles:
+                handles[wmap[e.name]] = safe_open(str(wmap[e.name]), framework="pt")
+            f = handles[wmap[e.name]]
+            shape = tuple(f.get_slice(e.name).get_shape())
+            if shape != e.shape:
+                raise ValueError(f"{wmap[e.name]}: {e.name!r} has shape {shape}, the model "
+                                 f"{e.shape}")
+            plan.append((e, f))
+    except (ValueError, OSError) as exc:
+        problem = str(exc)
+    _agree(model, problem)
+    with torch.no_grad():
+        for e, f in plan:
+            a, b = e.held()
+            rows = f.get_slice(e.name)[a:b] if e.shape else f.get_tensor(e.name).reshape(1)
+            e.local(a, b).copy_(rows.reshape(b - a, -1))
+        for name, buf in model.module.named_buffers():
+            if name in wmap:
+                with safe_open(str(wmap[name]), framework="pt") as f:
+                    buf.copy_(f.get_tensor(name))
+    model._refresh_compute()
+    dist.barrier(model.comm.group)

@@ -1,0 +1,54 @@
+"""zeroshard export — a sharded checkpoint as consolidated safetensors (Hugging Face layout).
+
+Streams one parameter at a time, so host memory stays near the largest parameter
+whatever the model's size. Splits into files of at most --max-shard-size with a
+model.safetensors.index.json, as `from_pretrained` expects.
+
+example:
+  zeroshard export runs/ckpt/latest out/ --dtype bf16 --max-shard-size 2GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper()
+    for suffix in sorted(_UNITS, key=len, reverse=True):
+        if t.endswith(suffix):
+            number = t[:-len(suffix)].strip()
+            break
+    else:
+        suffix, number = "B", t
+    try:
+        value = float(number) * _UNITS[suffix]
+    except ValueError:
+        raise ValueError(f"--max-shard-size={text!r}; expected a size such as 500MB or 5GB") \
+            from None
+    if value <= 0:
+        raise ValueError(f"--max-shard-size={text!r} must be positive")
+    return int(value)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ckpt", help="a checkpoint directory, or a save directory with `latest`")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of the exported weights (default fp32)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+
+
+def run(args) -> int:
+    from .consolidated import export
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    layout = export(args.ckpt, args.out, args.dtype, parse_size(args.max_shard_size))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    count = sum(len(v) for v in layout.values())
+    print(f"wrote {count} tensors to {len(layout)} file(s) in {args.out}; peak host memory "
+          f"grew by {grown / 1e6:.1f} MB")
+    return 0
