@@ -9,14 +9,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from ..runtime.dist import TORCH_DTYPES
 from .load import _agree, _pieces
 from .sharded import entries, read_manifest, resolve, verify
-from .tensorfile import write_tensors
+from .tensorfile import TensorFile, write_tensors
 
-_INT = {"I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -40,12 +38,12 @@ def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
 
     def opened(fname):
         if fname not in handles:
-            handles[fname] = safe_open(str(ckpt / fname), framework="pt")
+            handles[fname] = TensorFile(str(ckpt / fname))
         return handles[fname]
 
     def assemble(name, shape):
         rows = shape[0] if shape else 1
-        parts = [opened(f).get_slice(name)[fa:fb] for f, fa, fb, _, _ in
+        parts = [opened(f).rows(name, fa, fb) for f, fa, fb, _, _ in
                  _pieces(manifest, name, 0, rows)]
         return torch.cat(parts).reshape(shape).to(out_dtype)
 
@@ -54,9 +52,9 @@ def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
     buffers = [(n, tuple(s)) for n, s in manifest["buffers"].items()]
     entries_ = [(n, s, out_dtype, lambda n=n, s=s: assemble(n, s)) for n, s in items]
     for n, s in buffers:
-        src_dtype = opened(f0).get_slice(f"{n}::buffer").get_dtype()
-        bdtype = out_dtype if src_dtype in ("F32", "BF16", "F16", "F64") else _INT[src_dtype]
-        entries_.append((n, s, bdtype, lambda n=n: opened(f0).get_tensor(f"{n}::buffer")))
+        src_dtype = opened(f0).dtype(f"{n}::buffer")
+        bdtype = out_dtype if src_dtype.is_floating_point else src_dtype
+        entries_.append((n, s, bdtype, lambda n=n: opened(f0).rows(f"{n}::buffer")))
     files, current, size = [], [], 0
     for e in entries_:
         nbytes = e[2].itemsize * int(torch.Size(e[1]).numel())
@@ -84,8 +82,7 @@ def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
 
 def _weight_map(path: Path) -> dict[str, Path]:
     if path.is_file():
-        with safe_open(str(path), framework="pt") as f:
-            return dict.fromkeys(f.keys(), path)
+        return dict.fromkeys(TensorFile(str(path)).keys(), path)
     if (path / INDEX).exists():
         index = json.loads((path / INDEX).read_text())
         return {n: path / f for n, f in index["weight_map"].items()}
@@ -105,9 +102,9 @@ def load_pretrained(model, path: str | Path) -> None:
             if e.name not in wmap:
                 raise ValueError(f"{path}: no tensor {e.name!r} for the model's parameter")
             if wmap[e.name] not in handles:
-                handles[wmap[e.name]] = safe_open(str(wmap[e.name]), framework="pt")
+                handles[wmap[e.name]] = TensorFile(str(wmap[e.name]))
             f = handles[wmap[e.name]]
-            shape = tuple(f.get_slice(e.name).get_shape())
+            shape = f.shape(e.name)
             if shape != e.shape:
                 raise ValueError(f"{wmap[e.name]}: {e.name!r} has shape {shape}, the model "
                                  f"{e.shape}")
@@ -118,11 +115,9 @@ def load_pretrained(model, path: str | Path) -> None:
     with torch.no_grad():
         for e, f in plan:
             a, b = e.held()
-            rows = f.get_slice(e.name)[a:b] if e.shape else f.get_tensor(e.name).reshape(1)
-            e.local(a, b).copy_(rows.reshape(b - a, -1))
+            e.local(a, b).copy_(f.rows(e.name, a, b).reshape(b - a, -1))
         for name, buf in model.module.named_buffers():
             if name in wmap:
-                with safe_open(str(wmap[name]), framework="pt") as f:
-                    buf.copy_(f.get_tensor(name))
+                buf.copy_(TensorFile(str(wmap[name])).rows(name))
     model._refresh_compute()
     dist.barrier(model.comm.group)

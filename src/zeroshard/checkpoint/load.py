@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from .sharded import entries, read_manifest, resolve, verify
+from .tensorfile import TensorFile
 
 
 def _pieces(manifest: dict, name: str, a: int, b: int):
@@ -100,25 +100,24 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
 
     def opened(fname):
         if fname not in handles:
-            handles[fname] = safe_open(str(ckpt / fname), framework="pt")
+            handles[fname] = TensorFile(str(ckpt / fname))
         return handles[fname]
 
     with torch.no_grad():
         for e, a, b, pieces in plan:
             target = e.local(a, b)
             for fname, fa, fb, ta, tb in pieces:
-                piece = opened(fname).get_slice(e.name)[fa:fb]
-                target[ta:tb].copy_(piece.reshape(tb - ta, -1))
+                target[ta:tb].copy_(opened(fname).rows(e.name, fa, fb).reshape(tb - ta, -1))
             if optimizer is None or not e.trainable:
                 continue
             f = opened(pieces[0][0])
             state = {}
             for full_key in [k for k in f.keys() if k.startswith(e.name + "::")]:
                 key = full_key.split("::", 1)[1]
-                if not f.get_slice(full_key).get_shape():  # a scalar such as Adam's step
-                    state[key] = f.get_tensor(full_key)
+                if not f.shape(full_key):  # a scalar such as Adam's step
+                    state[key] = f.rows(full_key)
                     continue
-                rows = [opened(fname).get_slice(full_key)[fa:fb] for fname, fa, fb, _, _ in pieces]
+                rows = [opened(fname).rows(full_key, fa, fb) for fname, fa, fb, _, _ in pieces]
                 state[key] = torch.cat(rows).reshape(e.shard.shape).to(e.shard.device)
             if state:
                 optimizer.state[e.shard] = state
@@ -129,7 +128,7 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
                         g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
         f0 = opened(f"rank{0:05d}.safetensors")
         for name, buf in model.module.named_buffers():
-            buf.copy_(f0.get_tensor(f"{name}::buffer"))
+            buf.copy_(f0.rows(f"{name}::buffer"))
         if manifest["world"] == world:
-            torch.set_rng_state(opened(f"rank{rank:05d}.safetensors").get_tensor("__rng_state__"))
+            torch.set_rng_state(opened(f"rank{rank:05d}.safetensors").rows("__rng_state__"))
     model._refresh_compute()

@@ -4,8 +4,9 @@ The safetensors layout is an 8-byte little-endian header length, a JSON header
 (name -> dtype, shape, byte offsets; plus ``__metadata__``), then the raw bytes. Every
 shape is known before any data is written, so the header goes first and each tensor
 is streamed straight from where it lives: a rank never copies its whole state to save
-it, and an export holds one parameter at a time. Reading uses the ``safetensors``
-library's lazy ``get_slice``, so a rank reads only the rows it needs.
+it, and an export holds one parameter at a time. :class:`TensorFile` reads row ranges
+with plain reads (a memory map would leave every page it touched resident), so a rank
+reads, and holds, only the rows it needs.
 """
 
 from __future__ import annotations
@@ -73,3 +74,49 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_FROM_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+class TensorFile:
+    """Reads rows of tensors from a safetensors file with plain reads (no memory map), so
+    a reader's memory holds only the rows it asked for."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError(f"{path}: not a safetensors file (truncated header)")
+            (n,) = struct.unpack("<Q", raw)
+            try:
+                self.header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ValueError(f"{path}: not a safetensors file (bad header)") from None
+        self.data_start = 8 + n
+        self.metadata = self.header.pop("__metadata__", {}) or {}
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _FROM_NAME[self.header[name]["dtype"]]
+
+    def rows(self, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
+        """Rows [a, b) of tensor ``name`` (all of it by default; a 0-d tensor has one)."""
+        info, shape, dtype = self.header[name], self.shape(name), self.dtype(name)
+        rows = shape[0] if shape else 1
+        a, b = (0, rows) if a is None else (a, b)
+        begin, end = info["data_offsets"]
+        row_bytes = (end - begin) // rows if rows else 0
+        out = torch.empty(((b - a) * row_bytes,), dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.data_start + begin + a * row_bytes)
+            if f.readinto(memoryview(out.numpy())) != out.numel():
+                raise ValueError(f"{self.path}: {name!r} runs past the end of the file")
+        t = out.view(dtype)
+        return t.reshape((b - a, *shape[1:])) if shape else t.reshape(())
