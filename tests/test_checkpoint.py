@@ -220,3 +220,15 @@ def test_trainer_resumes_at_another_nproc_and_stage(tmp_path):
     resumed = [json.loads(x)["loss"] for x in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert len(full) == 12 and len(resumed) == 6
     assert max(abs(a - b) for a, b in zip(full[6:], resumed)) < 1e-5
+
+
+def test_trainer_init_from_an_export(tmp_path):
+    base = ["train", "--model", "tiny", "--eval-every", "100", "--sample-chars", "0"]
+    assert main([*base, "--steps", "8", "--save-dir", str(tmp_path / "a"), "--json-log",
+                 str(tmp_path / "a.jsonl")]) == 0
+    assert main(["export", str(tmp_path / "a"), str(tmp_path / "hf")]) == 0
+    assert main([*base, "--steps", "1", "--lr", "1e-12", "--nproc", "1", "--init-from",
+                 str(tmp_path / "hf"), "--json-log", str(tmp_path / "b.jsonl")]) == 0
+    trained = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[-1])["val_loss"]
+    started = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[-1])["val_loss"]
+    assert abs(trained - started) < 1e-5
