@@ -23,6 +23,7 @@ from .memory import (
     ring_all_reduce,
     ring_one_way,
     stage_of,
+    transient_bytes,
 )
 from .recipes import DEFAULT_RECIPE, DTYPE_BYTES, RECIPES, Recipe, get_recipe
 
@@ -31,5 +32,5 @@ __all__ = [
     "RECIPES", "Recipe", "STRATEGIES", "StrategyPlan", "Workload", "activation_bytes",
     "comm_bytes", "first_fit", "floor_bytes", "from_hf_config", "get_preset", "get_recipe",
     "min_gpus", "model_state_bytes", "plan_all", "plan_strategy", "ring_all_reduce",
-    "ring_one_way", "stage_of", "why_none_fits",
+    "ring_one_way", "stage_of", "transient_bytes", "why_none_fits",
 ]

@@ -186,3 +186,23 @@ def plan_strategy(
 def plan_all(model, gpus, recipe, work=None, budget=None) -> list[StrategyPlan]:
     """One :class:`StrategyPlan` per strategy, DDP first."""
     return [plan_strategy(model, gpus, recipe, s, work, budget) for s in range(4)]
+
+
+def transient_bytes(recipe: Recipe, stage: int, gpus: int, largest_unit: int,
+                    prefetch: int = 1) -> dict[str, int]:
+    """Transient bytes beside the persistent state while the largest unit (of
+    ``largest_unit`` parameters) is in backward:
+
+    - ``gathered`` (stage 3): its full parameters plus ``prefetch`` more units'
+      worth arriving, ``(1 + prefetch) · U · weight bytes``;
+    - ``buffers``: its full gradients before they are reduced (``U · grad bytes``), the
+      reduction buffer of N slots and its 1/N output (``U · reduce bytes · (1 + 1/N)``),
+      and at stage 3 the all-gather output of a unit in flight (``U · weight bytes``).
+    """
+    u = largest_unit
+    gathered = (1 + prefetch) * u * recipe.weight_bytes if stage == 3 else 0
+    buffers = u * recipe.grad_bytes if stage >= 2 else 0
+    buffers += u * recipe.reduce_bytes + _ceil_div(u * recipe.reduce_bytes, gpus)
+    if stage == 3 and prefetch:
+        buffers += u * recipe.weight_bytes
+    return {"gathered": gathered, "buffers": buffers}

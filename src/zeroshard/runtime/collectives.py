@@ -6,6 +6,8 @@ another rank's gather: each group sees its collectives in the same order on ever
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -27,31 +29,58 @@ class Collectives:
         # One more group with the same ranks, for gradient reductions only.
         self.reduce_group = dist.new_group(dist.get_process_group_ranks(group)
                                            if group is not None else None)
+        self.trace: list[dict] | None = None  # profiling: one record per call
 
-    def _record(self, kind: str, t: torch.Tensor) -> None:
-        self.ledger.record(kind, t.numel() * t.element_size(), self.dp_world)
+    def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool):
+        """Record the call in the ledger and, when profiling, in the collective trace."""
+        nbytes = t.numel() * t.element_size()
+        self.ledger.record(kind, nbytes, self.dp_world)
+        if self.trace is None:
+            return call()
+        rec = {"kind": kind, "unit": unit, "bytes": nbytes, "issued": time.perf_counter()}
+        self.trace.append(rec)
+        work = call()
+        if not async_op:
+            rec["done"] = time.perf_counter()
+            rec["waited"] = rec["done"] - rec["issued"]
+            return work
+        return _TracedWork(work, rec)
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, grads: bool = False,
-                   async_op: bool = False):
+                   async_op: bool = False, unit=None):
         """Reduce ``t`` over ranks in place (a sum unless ``op`` says otherwise)."""
-        self._record("all_reduce", t)
         group = self.reduce_group if grads else self.group
-        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+        return self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
+            t, op=op, group=group, async_op=async_op), async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
+                       unit=None):
         """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot."""
-        self._record("reduce_scatter", inp)
-        return _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
-                               async_op=async_op)
+        return self._issue("reduce_scatter", inp, unit, lambda: _reduce_scatter(
+            out.view(-1), inp.view(-1), group=self.reduce_group, async_op=async_op), async_op)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False):
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
+                   unit=None):
         """``out`` (N × ``inp``) receives every rank's ``inp`` in rank order."""
-        self._record("all_gather", out)
         # gloo splits the output on dim 0 and wants each piece shaped like the input
-        return _all_gather(out.view(-1), inp.view(-1), group=self.group, async_op=async_op)
+        return self._issue("all_gather", out, unit, lambda: _all_gather(
+            out.view(-1), inp.view(-1), group=self.group, async_op=async_op), async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``t`` to every rank."""
-        self._record("broadcast", t)
-        return dist.broadcast(t, src=dist.get_global_rank(self.group, src)
-                              if self.group is not None else src, group=self.group)
+        root = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return self._issue("broadcast", t, None,
+                           lambda: dist.broadcast(t, src=root, group=self.group), False)
+
+
+class _TracedWork:
+    """A work handle that notes when compute waited for it, and how long."""
+
+    def __init__(self, work, rec):
+        self.work, self.rec = work, rec
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        self.work.wait()
+        self.rec["done"] = time.perf_counter()
+        self.rec["waited"] = self.rec.get("waited", 0.0) + self.rec["done"] - start

@@ -51,6 +51,10 @@ class ZeroConfig:
     it holds at least this many elements (DeepSpeed's ``reduce_bucket_size``): fewer,
     larger collectives for models of many small units, at the cost of a larger
     communication buffer. 0: one reduction per unit."""
+    profile: bool = False
+    """Record a timeline of unit lifecycle events with bytes per category, activation
+    bytes (saved-tensor hooks) and a collective trace (``model.profiler``). Off, the
+    engine pays one attribute check per event."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers at shard time, so every rank starts
     from the same weights whatever its seed."""

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..observe import memory as _memory
 from ..observe.ledger import Ledger
+from ..observe.profiler import Profiler
 from .clip import clip_grad_norm
 from .collectives import Collectives
 from .config import ZeroConfig
@@ -88,13 +89,24 @@ class ShardedModel(nn.Module):
         # stage 3: the order units were gathered in, on the last pass and on this one
         self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
         self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
+        self.profiler = Profiler(self) if config.profile else None
+        if self.profiler is not None:
+            for u in self.units:
+                u.prof = self.profiler
+            self.comm.trace = self.profiler.collectives
         self._register_hooks()
         register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up
 
     # -- construction ---------------------------------------------------------------
     def _register_hooks(self) -> None:
+        prof = self.profiler
         for u in self.units:
+            if prof is not None:  # before the gather and before the release
+                u.module.register_forward_pre_hook(
+                    lambda m, a, u=u: prof.event("forward_begin", u), prepend=True)
+                u.module.register_forward_hook(
+                    lambda m, a, out, u=u: prof.event("forward_end", u), prepend=True)
             for i in u.trainable:
                 u.params[i].register_post_accumulate_grad_hook(
                     lambda p, u=u: self._on_grad(u))
@@ -111,7 +123,11 @@ class ShardedModel(nn.Module):
         if dtype != torch.float32:  # inputs follow the compute dtype (FSDP2: cast_forward_inputs)
             cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        out = self.module(*args, **kwargs)
+        if self.profiler is not None and self.profiler.enabled:
+            with self.profiler.saved_tensors():
+                out = self.module(*args, **kwargs)
+        else:
+            out = self.module(*args, **kwargs)
         self._end_pass("forward")
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
@@ -131,6 +147,8 @@ class ShardedModel(nn.Module):
     def _gather(self, unit: Unit, phase: str) -> None:
         """Gather ``unit`` for use, then issue the gathers of the units that followed it
         on the previous pass of this phase (prefetch), within the configured bounds."""
+        if phase == "backward" and self.profiler is not None:
+            self.profiler.event("backward_begin", unit)
         if phase == "forward" and torch._C._current_graph_task_id() != -1:
             unit.gather()  # activation checkpointing's recompute: not a forward pass
             return
@@ -147,7 +165,9 @@ class ShardedModel(nn.Module):
             held += nxt.w_layout.numel
             if budget and held > budget and nxt is not order[k + 1]:
                 break
-            nxt.start_gather()
+            if nxt.state is UnitState.SHARDED:
+                nxt.start_gather()
+                nxt.prefetched = True
 
     def _end_pass(self, phase: str) -> None:
         if self._seen[phase]:
@@ -173,6 +193,8 @@ class ShardedModel(nn.Module):
 
     def _unit_done(self, unit: Unit) -> None:
         unit.ready = True
+        if self.profiler is not None:
+            self.profiler.event("backward_end", unit)
         if unit.stage == 3:
             unit.release()
         self._issue_ready()
@@ -244,12 +266,17 @@ class ShardedModel(nn.Module):
         if id(optimizer) not in self._checked:
             check_optimizer(optimizer, self.stage)
             self._checked.add(id(optimizer))
+        if self.profiler is not None:
+            self.profiler.optimizer = optimizer
+            self.profiler.event("step_begin")
         self._finalize_grads()
 
     def _after_step(self) -> None:
         for u in self.units:
             u.after_step()
         self._stepped = True
+        if self.profiler is not None:
+            self.profiler.event("step_end")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shards' gradients and start a new accumulation cycle."""

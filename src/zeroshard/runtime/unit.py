@@ -111,6 +111,8 @@ class Unit:
         self._in_flight = None  # (work, buffers...) of an issued reduction
         self._sync_work = None  # all-gather of updated weights after a step
         self._gather_work = None  # stage 3: (work, [N, S] buffer) of an issued gather
+        self.prof = None  # the profiler, in profiling mode
+        self.prefetched = False  # gathered ahead of use, not used yet
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
         if stage == 3:
             self.release()
@@ -138,11 +140,15 @@ class Unit:
             return
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
-        self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True), out)
+        self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True,
+                                                  unit=self.index), out)
         self.state = UnitState.GATHERING
+        if self.prof:
+            self.prof.event("gather_issued", self)
 
     def gather(self) -> None:
         """Finish (or issue and finish) the all-gather into the full parameters' storages."""
+        self.prefetched = False  # in use now
         if self.state is UnitState.GATHERED:
             return
         self.start_gather()
@@ -153,6 +159,8 @@ class Unit:
             p.untyped_storage().resize_(buf.numel() * buf.element_size())
         self.w_layout.unpack_into(out, self.padded)
         self.state = UnitState.GATHERED
+        if self.prof:
+            self.prof.event("gather_done", self)
 
     def release(self) -> None:
         """Free the full parameters; autograd's saved references keep the (empty)
@@ -162,6 +170,8 @@ class Unit:
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+        if self.prof:
+            self.prof.event("release", self)
 
     # -- gradients ------------------------------------------------------------------
     def start_backward(self, new_cycle: bool) -> None:
@@ -198,6 +208,8 @@ class Unit:
         work, _, out = self._in_flight
         work.wait()
         self._in_flight = None
+        if self.prof:
+            self.prof.event("reduce_done", self)
         S = self.r_layout.slot_numel
         out.div_(self.comm.dp_world)
         if self.stage == 0:  # [N, S + F]: every slot, back into the full gradients (DDP)
@@ -272,7 +284,8 @@ class Unit:
                 inp = torch.cat([self.padded[i][self.rank] for i in self.trainable])
             out = torch.empty(self.world, self.g_layout.slot_numel, dtype=self.compute_dtype,
                               device=self.device)
-            self._sync_work = (self.comm.all_gather(out, inp, async_op=True), out, inp)
+            self._sync_work = (self.comm.all_gather(out, inp, async_op=True, unit=self.index),
+                               out, inp)
 
     def wait_sync(self) -> None:
         if self._sync_work is None:
@@ -336,12 +349,14 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
         base += width
     buf = torch.empty(n * base, dtype=first.reduce_dtype, device=first.device)
     torch._chunk_cat(tensors, 0, n, out=buf.view(n, base))
+    label = [u.index for u in units] if len(units) > 1 else first.index
     if first.stage == 0:
-        work, out = comm.all_reduce(buf, grads=True, async_op=True), buf.view(n, base)
+        work = comm.all_reduce(buf, grads=True, async_op=True, unit=label)
+        out = buf.view(n, base)
         parts = [out[:, a:b] for a, b in spans]  # [N, S + F] each
     else:
         out = torch.empty(base, dtype=first.reduce_dtype, device=first.device)
-        work = comm.reduce_scatter(out, buf, async_op=True)
+        work = comm.reduce_scatter(out, buf, async_op=True, unit=label)
         parts = [out[a:b] for a, b in spans]
     work = _WaitOnce(work)
     for u, part in zip(units, parts):
@@ -349,6 +364,8 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
         if free_full:
             for i in u.trainable:
                 u.params[i].grad = None
+        if u.prof:
+            u.prof.event("reduce_issued", u)
 
 
 class _WaitOnce:

@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "--save-dir; any --nproc and --stage")
     p.add_argument("--init-from", metavar="PATH", help="initial weights from consolidated "
                                                        "safetensors")
+    p.add_argument("--profile", metavar="DIR", help="profile two steps: trace, lifetime chart, "
+                                                    "peak and plan against measurement")
     p.add_argument("--config", metavar="FILE", help="JSON settings or a DeepSpeed config")
 
 

@@ -63,6 +63,9 @@ class TrainConfig:
     resume: str | None = None
     """Resume from a checkpoint: a path, or "latest" for the newest in ``save_dir``.
     Any --nproc and --stage can resume any checkpoint."""
+    profile: str | None = None
+    """Profile steps 2-3 (after the first, which records the gather order) and write a
+    Chrome trace per rank and the lifetime chart into this directory."""
     init_from: str | None = None
     """Initialise the weights from consolidated safetensors (a file or directory)."""
 

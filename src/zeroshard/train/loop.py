@@ -19,6 +19,7 @@ from ..runtime.dist import init_distributed
 from ..runtime.sharded import shard
 from . import report
 from .config import TrainConfig
+from .profile import profile_report
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -67,7 +68,10 @@ def train(cfg: TrainConfig) -> dict:
         stage=cfg.stage, units=cfg.unit_policy(),
         mixed_precision=None if cfg.precision == "fp32" else cfg.precision,
         param_persistence_threshold=cfg.param_persistence_threshold,
-        prefetch_bucket_size=cfg.prefetch_bucket_size, reduce_bucket_size=cfg.reduce_bucket_size))
+        prefetch_bucket_size=cfg.prefetch_bucket_size, reduce_bucket_size=cfg.reduce_bucket_size,
+        profile=cfg.profile is not None))
+    if model.profiler is not None:
+        model.profiler.enabled = False
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -94,6 +98,8 @@ def train(cfg: TrainConfig) -> dict:
     comm: dict[str, dict[str, int]] = {}  # training steps only, evaluations left out
     try:
         for step in range(start, cfg.steps):
+            if model.profiler is not None:  # steps 2-3: the gather order is recorded by then
+                model.profiler.enabled = start + 1 <= step < start + 3
             t0 = time.perf_counter()
             x, y = corpus.batch("train", cfg.seed, step, cfg.batch, seq_len)
             base = rank * cfg.batch // world
@@ -137,6 +143,9 @@ def train(cfg: TrainConfig) -> dict:
         out.stop()
         if log:
             log.close()
+    if model.profiler is not None:
+        model.profiler.enabled = False
+        profile_report(model, cfg, gpt_cfg, micro, rank, out)
     memories = [None] * world
     dist.all_gather_object(memories, model.memory(optimizer))
     out.summary(memories, comm, model.config.recipe)

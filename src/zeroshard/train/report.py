@@ -86,6 +86,23 @@ class Reporter:
         t.add_row("planned", "", f"{planned / MB:.3f}")
         self.console.print(t)
 
+    def profile(self, folder, statements, plan, measured, peak_total) -> None:
+        if not self.enabled:
+            return
+        for r, line in enumerate(statements):
+            self.console.print(f"rank {r}: {line}")
+        t = Table(title="rank 0 at its peak (MB): planned / measured", title_justify="left")
+        for col in ("category", "planned", "measured", "difference"):
+            t.add_column(col, justify="right")
+        for k, p in plan.items():
+            t.add_row(k, f"{p / MB:.3f}", f"{measured[k] / MB:.3f}",
+                      f"{(measured[k] - p) / MB:+.3f}")
+        total = sum(plan.values())
+        t.add_row("peak", f"{total / MB:.3f}", f"{peak_total / MB:.3f}",
+                  f"{(peak_total - total) / MB:+.3f} ({(peak_total - total) / total:+.1%})")
+        self.console.print(t)
+        self.console.print(f"trace per rank and lifetimes.png in {folder}")
+
     def sample(self, text: str) -> None:
         if self.enabled:
             self.console.print("sample:", style="bold")
