@@ -15,6 +15,7 @@ COMMANDS = {
     "train": ("zeroshard.train", "train the built-in GPT on the built-in corpus over N processes"),
     "export": ("zeroshard.checkpoint.export_cmd", "a checkpoint as consolidated safetensors"),
     "inspect": ("zeroshard.checkpoint.inspect_cmd", "what a checkpoint holds, checksums checked"),
+    "bench": ("zeroshard.observe.granularity", "benchmarks: unit granularity"),
     "demo": ("zeroshard.demo", "the ZeRO-1 experiment of the source documents on real processes"),
 }
 

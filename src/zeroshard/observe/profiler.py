@@ -47,10 +47,20 @@ class Profiler:
         self.events: list[Event] = []
         self.collectives: list[dict] = []
         self.optimizer = None
+        self._enabled = False
         self.enabled = True
-        """False pauses recording (the trainer profiles a window of steps)."""
         self.activation_bytes = 0
         self._saved: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+
+    @property
+    def enabled(self) -> bool:
+        """False pauses recording, collectives included (profile a window of steps)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = value
+        self.model.comm.trace = self.collectives if value else None
 
     def event(self, kind: str, unit=None) -> None:
         if not self.enabled:

@@ -93,7 +93,6 @@ class ShardedModel(nn.Module):
         if self.profiler is not None:
             for u in self.units:
                 u.prof = self.profiler
-            self.comm.trace = self.profiler.collectives
         self._register_hooks()
         register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up

@@ -11,14 +11,13 @@ from ..plan.arch import ModelSpec
 from ..plan.memory import Workload, activation_bytes, model_state_bytes, transient_bytes
 
 
-def predicted(model, cfg, gpt_cfg, micro: int) -> dict[str, int]:
-    """The planner's per-category figures for this run, transient terms included."""
+def predicted(model, spec: ModelSpec, work: Workload) -> dict[str, int]:
+    """The planner's per-category figures for a sharded model, transient terms included
+    (activations from the model's shape and the workload)."""
     recipe, world = model.config.recipe, model.comm.dp_world
     params = sum(u.w_layout.numel for u in model.units)
     weights, grads, optimizer = model_state_bytes(params, world, recipe, model.stage)
     largest = max(u.w_layout.numel for u in model.units)
-    spec = ModelSpec("gpt", params, gpt_cfg.hidden, gpt_cfg.layers, gpt_cfg.heads)
-    work = Workload(micro * gpt_cfg.block_size, gpt_cfg.block_size, checkpointing=False)
     out = {"params": weights, "grads": grads, "optimizer": optimizer,
            "activations": activation_bytes(spec, recipe, work) or 0}
     out.update(transient_bytes(recipe, model.stage, world, largest, model.config.prefetch))
@@ -34,7 +33,10 @@ def profile_report(model, cfg, gpt_cfg, micro: int, rank: int, out) -> None:
     if rank == 0:
         lifetime_chart(prof, str(folder / "lifetimes.png"),
                        f"GPT {cfg.model}, ZeRO stage {cfg.stage}, rank 0")
-    plan = predicted(model, cfg, gpt_cfg, micro)
+    params = sum(u.w_layout.numel for u in model.units)
+    spec = ModelSpec(cfg.model, params, gpt_cfg.hidden, gpt_cfg.layers, gpt_cfg.heads)
+    plan = predicted(model, spec, Workload(micro * gpt_cfg.block_size, gpt_cfg.block_size,
+                                           checkpointing=False))
     _, peak = prof.peak()
     measured = {k: peak.memory[k] for k in plan}
     statements = [None] * model.comm.dp_world
