@@ -83,6 +83,9 @@ def _rank(model_name: str, steps: int, batch: int, out: str) -> dict:
                            f"{label}: {len(net.units)} units, stage 3, N = {world}")
         results[label] = {
             "units": [u.w_layout.numel for u in net.units],
+            "members": [", ".join(u.names[:2]) + (f", ... ({len(u.names)} tensors)"
+                                                  if len(u.names) > 2 else "")
+                        for u in net.units],
             "gathers": len(gathers), "reduces": len(reduces),
             "gather_ms": 1e3 * statistics.mean(c["done"] - c["issued"] for c in gathers),
             "reduce_ms": 1e3 * statistics.mean(c["done"] - c["issued"] for c in reduces),
@@ -118,6 +121,10 @@ def run(args) -> int:
                   f"{r['loss']:.6f}")
     console = Console(highlight=False, width=max(Console().width, 130))
     console.print(t)
+    for label, r in res.items():
+        console.print(f"{label}: " + "; ".join(
+            f"unit {k} {n * 4 / 1e6:.3f} MB [{m}]" for k, (n, m) in
+            enumerate(zip(r["units"], r["members"]))), markup=False)
     losses = [r["loss"] for r in res.values()]
     console.print(f"loss spread across groupings: {max(losses) - min(losses):.2e}; AG/RS: "
                   "all-gathers and reduce-scatters in the profiled step, mean issue-to-done "
