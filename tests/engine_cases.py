@@ -79,6 +79,20 @@ class SkipGPT(GPT):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+class ReorderGPT(GPT):
+    """Runs its blocks in reverse order on odd steps: the execution order changes."""
+
+    skip = False  # set by the loop on odd steps
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for block in (reversed(self.blocks) if self.skip else self.blocks):
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class HFLoss(nn.Module):
     """A Hugging Face causal LM called the way the loop calls every model."""
 
@@ -110,6 +124,8 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(1234)
     if name == "gpt_ckpt":
         return GPT(GPTConfig(**{**GPT_SMALL.__dict__, "checkpointing": True}))
+    if name == "gpt_reorder":
+        return ReorderGPT(GPT_SMALL)
     if name == "gpt_frozen_skip":
         m = SkipGPT(GPT_SMALL)
         m.wpe.weight.requires_grad_(False)

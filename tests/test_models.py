@@ -14,8 +14,8 @@ from . import engine_cases as cases
 
 pytestmark = pytest.mark.dist
 
-MODELS = ["gpt_tied_units", "gpt_frozen_skip", "gpt_ckpt", "gpt_persist", "hf_gpt2",
-          "hf_llama"]
+MODELS = ["gpt_tied_units", "gpt_frozen_skip", "gpt_ckpt", "gpt_persist", "gpt_reorder",
+          "hf_gpt2", "hf_llama"]
 
 
 def _meta_init():
@@ -46,7 +46,17 @@ def _persistent():
 
 def _prefetch():
     """States of block 2's unit when block 1 starts, per prefetch depth; and weights."""
-    out = {}
+    out = {"reorder": {}}
+    for depth in (0, 1):  # the order changes every step: prefetch must not change results
+        net = zs.shard(cases.build("gpt_reorder"), stage=3, prefetch=depth)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        for step in range(4):
+            net.module.skip = step % 2 == 1
+            x, y = cases.batch("gpt", step)
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["reorder"][depth] = net.full_state_dict()
     for depth in (0, 1, 2):
         net = zs.shard(cases.build("gpt_ckpt"), stage=3, prefetch=depth)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -134,6 +144,7 @@ def test_prefetch_overlaps_without_changing_results(grid):
     assert cases.bit_equal(r[1]["weights"], r[0]["weights"])
     assert cases.bit_equal(r[2]["weights"], r[0]["weights"])
     assert r[0]["gathers"] == r[1]["gathers"] == r[2]["gathers"]
+    assert cases.bit_equal(r["reorder"][1], r["reorder"][0])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

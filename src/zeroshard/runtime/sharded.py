@@ -12,7 +12,8 @@
    sequence even when a rank's unused parameter makes a unit finish late there; the
    gradient reductions travel on their own process group, so they cannot interleave
    with stage 3's gathers. Stage 0 all-reduces, stages 2–3 reduce-scatter and free the
-   full gradients at once; stage 1 keeps full gradients and reduce-scatters at the step.
+   full gradients at once; stage 1 reduce-scatters the accumulated full gradients too
+   but keeps them, and only the last synchronised backward's result is kept.
 3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
    its gradient; the post-hook brings the compute weights up to date (a cast at stages
    0 and 3, an all-gather at stages 1–2, awaited in the next forward).
@@ -202,7 +203,7 @@ class ShardedModel(nn.Module):
         """Issue reductions strictly in ``_reduce_order``: the same sequence on every rank."""
         order = self._reduce_order
         while self._next_reduce < len(order) and order[self._next_reduce].ready:
-            if self._sync and self.stage != 1:
+            if self._sync:
                 self._bucket_add(order[self._next_reduce])
             self._next_reduce += 1
         if flush:
@@ -251,7 +252,7 @@ class ShardedModel(nn.Module):
             return
         if self._in_backward:
             raise ValueError("gradients are not final during backward")
-        if self.stage == 1 or self._unreduced:
+        if self._unreduced:  # the last backward ran under no_sync()
             for u in self._reduce_order:
                 self._bucket_add(u)
             self._bucket_flush()

@@ -6,7 +6,7 @@ gradients, parameters) (ZeRO paper, section 5):
 | stage | compute weights      | stored gradients          | master + optimizer state |
 |-------|----------------------|---------------------------|--------------------------|
 | 0     | full                 | full, all-reduced         | full                     |
-| 1     | full                 | full, reduce-scattered at the step | shard           |
+| 1     | full                 | full, reduce-scattered per backward | shard          |
 | 2     | full                 | shard, reduced per backward | shard                  |
 | 3     | shard, gathered per use | shard                  | shard                    |
 

@@ -1,0 +1,203 @@
+"""zeroshard against the anchors, side by side, in one run.
+
+    python bench/compare.py                       # medium GPT preset, N = 2, 20 steps
+    python bench/compare.py --preset tiny --steps 4 --impl zeroshard-3,ddp,fsdp2-reshard
+
+Every implementation trains the built-in GPT benchmark preset from the same initial
+weights on the same global batches (AdamW, fp32), each in fresh processes:
+zeroshard stages 0-3; torch DDP; DDP + ZeroRedundancyOptimizer; FSDP2 ``fully_shard``
+per block with ``reshard_after_forward`` True and False; DeepSpeed stages 1-3 when it
+is installed (``pip install deepspeed``; on CPU it runs with DS_ACCELERATOR=cpu over
+gloo); and a "limit": one process, its local micro-batch, no communication at all.
+
+Reported per implementation: median step time and its spread (interquartile range),
+the ratio of zeroshard's median to each anchor's, peak resident memory growth per rank
+(ru_maxrss), model-state bytes per rank (weights, gradients and optimizer state it
+holds), bytes sent per step in ring accounting, and the loss after the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+ANCHORS = ["ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard"]
+OURS = [f"zeroshard-{s}" for s in range(4)]
+DEEPSPEED = [f"deepspeed-{s}" for s in (1, 2, 3)]
+#: which anchor each zeroshard stage is held against
+TARGETS = {"zeroshard-0": ["ddp"], "zeroshard-1": ["ddp+zero"],
+           "zeroshard-2": ["fsdp2-noreshard", "deepspeed-2"],
+           "zeroshard-3": ["fsdp2-reshard", "deepspeed-3"]}
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _state(impl, net, model, opt) -> int:
+    """Bytes of weights, gradients and optimizer state this rank holds."""
+    import torch
+
+    if impl.startswith("zeroshard"):
+        mem = net.memory(opt)
+        return mem["params"] + mem["grads"] + mem["optimizer"] + mem["padding"]
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters()
+             if p.grad is not None]
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's states
+    states = [getattr(v, "_local_tensor", v) for s in getattr(inner, "state", {}).values()
+              for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return _bytes(local) + _bytes(grads) + _bytes(states)
+
+
+def _rank(impl: str, preset: str, steps: int, batch: int, lr: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from zeroshard.data import Corpus
+    from zeroshard.models.gpt import GPT, get_preset
+    from zeroshard.plan.memory import ring_all_reduce, ring_one_way
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = get_preset(preset)
+    corpus = Corpus.builtin()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    P = sum(p.numel() for p in model.parameters())
+    comm = None
+    engine = None
+    if impl.startswith("zeroshard"):
+        import zeroshard as zs
+
+        net = zs.shard(model, stage=int(impl[-1]))
+        opt = torch.optim.AdamW(net.parameters(), lr=lr)
+    elif impl in ("ddp", "ddp+zero"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model)
+        if impl == "ddp":
+            opt = torch.optim.AdamW(model.parameters(), lr=lr)
+            comm = ring_all_reduce(4 * P, world)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                          lr=lr)
+            comm = ring_all_reduce(4 * P, world) + ring_one_way(4 * P, world)  # + broadcast
+    elif impl.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = impl == "fsdp2-reshard"
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        net, opt = model, torch.optim.AdamW(model.parameters(), lr=lr)
+        comm = (3 if reshard else 2) * ring_one_way(4 * P, world)
+    elif impl.startswith("deepspeed"):
+        import deepspeed
+
+        stage = int(impl[-1])
+        config = {"train_micro_batch_size_per_gpu": batch // world,
+                  "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage}}
+        # the same torch AdamW as everyone else, so all train the same function
+        engine, opt, _, _ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=lr), config=config)
+        net = engine
+        comm = (3 if stage == 3 else 2) * ring_one_way(4 * P, world)
+    elif impl == "limit":
+        net, opt = model, torch.optim.AdamW(model.parameters(), lr=lr)
+        comm = 0
+    else:
+        raise ValueError(f"unknown implementation {impl!r}")
+
+    rows = slice(rank * batch // world, (rank + 1) * batch // world)
+    if impl == "limit":  # one process standing in for one rank: its local micro-batch
+        rows = slice(0, batch // 2)
+    times, loss, state = [], None, 0
+    for step in range(steps):
+        x, y = corpus.batch("train", 0, step, batch, cfg.block_size)
+        t0 = time.perf_counter()
+        loss = net(x[rows], y[rows])
+        if engine is not None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            opt.step()
+            if step == steps - 1:  # what a rank holds between backward and zero_grad
+                state = _state(impl, net, model, opt)
+            opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    final = loss.detach().double().reshape(1)
+    if world > 1:
+        dist.all_reduce(final)
+    if impl.startswith("zeroshard"):
+        comm = sum(s["bytes"] for s in net.comm_stats().values()) / steps
+    if engine is not None:
+        state = None  # DeepSpeed keeps flat partitions of its own that torch cannot see
+    warm = times[min(3, len(times) - 1):]
+    q = statistics.quantiles(warm, n=4) if len(warm) >= 2 else [warm[0]] * 3
+    return {"median": statistics.median(warm), "iqr": q[2] - q[0], "peak": peak,
+            "state": state, "comm": comm, "loss": final.item() / world}
+
+
+def main() -> None:
+    from zeroshard.runtime.spawn import RankFailure, spawn
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--impl", help="comma-separated subset (default: all available)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    a = p.parse_args()
+    try:
+        import deepspeed  # noqa: F401
+
+        have_ds = True
+    except Exception:  # noqa: BLE001 - any failure to import means: not available
+        have_ds = False
+    impls = (a.impl.split(",") if a.impl else
+             OURS + ANCHORS + (DEEPSPEED if have_ds else []) + ["limit"])
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    results = {}
+    for impl in impls:
+        n = 1 if impl == "limit" else a.nproc
+        try:
+            results[impl] = spawn(_rank, n, impl, a.preset, a.steps, a.batch, a.lr,
+                                  timeout=900)[0]
+        except RankFailure as exc:
+            results[impl] = {"error": str(exc).splitlines()[-1][:120]}
+        r = results[impl]
+        print(f"{impl:16} " + (f"median {r['median'] * 1e3:8.1f} ms  IQR {r['iqr'] * 1e3:6.1f}  "
+                               f"peak {r['peak'] / 1e6:8.1f} MB  state "
+                               + ("    n/a" if r["state"] is None else f"{r['state'] / 1e6:7.2f}")
+                               + " MB"
+                               f"  comm {r['comm'] / 1e6:7.2f} MB/step  loss {r['loss']:.6f}"
+                               if "error" not in r else f"failed: {r['error']}"), flush=True)
+    print()
+    for ours, anchors in TARGETS.items():
+        if ours not in results or "error" in results[ours]:
+            continue
+        line = [f"{ours}:"]
+        for anchor in anchors + ["limit"]:
+            r = results.get(anchor)
+            if r and "error" not in r:
+                line.append(f"{results[ours]['median'] / r['median']:.2f}x {anchor} (peak "
+                            f"{results[ours]['peak'] / max(r['peak'], 1):.2f}x)")
+        print("  ".join(line))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"args": vars(a), "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
