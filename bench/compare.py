@@ -54,7 +54,7 @@ def _state(impl, net, model, opt) -> int:
     return _bytes(local) + _bytes(grads) + _bytes(states)
 
 
-def _rank(impl: str, preset: str, steps: int, batch: int, lr: float) -> dict:
+def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -117,7 +117,7 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float) -> dict:
 
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     if impl == "limit":  # one process standing in for one rank: its local micro-batch
-        rows = slice(0, batch // 2)
+        rows = slice(0, batch // ranks)
     times, loss, state = [], None, 0
     for step in range(steps):
         x, y = corpus.batch("train", 0, step, batch, cfg.block_size)
@@ -172,7 +172,7 @@ def main() -> None:
     for impl in impls:
         n = 1 if impl == "limit" else a.nproc
         try:
-            results[impl] = spawn(_rank, n, impl, a.preset, a.steps, a.batch, a.lr,
+            results[impl] = spawn(_rank, n, impl, a.preset, a.steps, a.batch, a.lr, a.nproc,
                                   timeout=900)[0]
         except RankFailure as exc:
             results[impl] = {"error": str(exc).splitlines()[-1][:120]}

@@ -272,8 +272,14 @@ class ShardedModel(nn.Module):
         self._finalize_grads()
 
     def _after_step(self) -> None:
+        # Stages 1-2 all-gather the updated weights unit by unit; at most two gathers are in
+        # flight, so the gathered buffers never add up to a second copy of the model.
+        prev = None
         for u in self.units:
             u.after_step()
+            if prev is not None:
+                prev.wait_sync()
+            prev = u
         self._stepped = True
         if self.profiler is not None:
             self.profiler.event("step_end")
