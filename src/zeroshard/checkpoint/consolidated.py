@@ -115,7 +115,8 @@ def load_pretrained(model, path: str | Path) -> None:
     with torch.no_grad():
         for e, f in plan:
             a, b = e.held()
-            e.local(a, b).copy_(f.rows(e.name, a, b).reshape(b - a, -1))
+            if a < b:
+                e.local(a, b).copy_(f.rows(e.name, a, b).reshape(b - a, e.row))
         for name, buf in model.module.named_buffers():
             if name in wmap:
                 buf.copy_(TensorFile(str(wmap[name])).rows(name))

@@ -107,9 +107,9 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
         for e, a, b, pieces in plan:
             target = e.local(a, b)
             for fname, fa, fb, ta, tb in pieces:
-                target[ta:tb].copy_(opened(fname).rows(e.name, fa, fb).reshape(tb - ta, -1))
-            if optimizer is None or not e.trainable:
-                continue
+                target[ta:tb].copy_(opened(fname).rows(e.name, fa, fb).reshape(tb - ta, e.row))
+            if optimizer is None or not e.trainable or not pieces:
+                continue  # (no pieces: this rank holds no rows of the parameter)
             f = opened(pieces[0][0])
             state = {}
             for full_key in [k for k in f.keys() if k.startswith(e.name + "::")]:

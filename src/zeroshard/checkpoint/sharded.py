@@ -65,10 +65,13 @@ class _Entry:
         self.first = 0 if self.source is not self.shard else unit.rank * -(-self.rows //
                                                                             unit.world)
         self.count = (self.source.shape[0] if self.source.dim() else 1)
+        self.row = self.source.numel() // self.count if self.count else 0  # elements per row
+        if not self.count:  # no rows here (fewer rows than ranks): the row size from the shape
+            self.row = unit.params[index].numel() // self.rows
 
     def local(self, a: int, b: int) -> torch.Tensor:
         """This rank's view of full rows [a, b) (which it must hold), as [b - a, row]."""
-        return self.source.detach().reshape(self.count, -1)[a - self.first:b - self.first]
+        return self.source.detach().reshape(self.count, self.row)[a - self.first:b - self.first]
 
     def held(self) -> tuple[int, int]:
         """Full rows whose values this rank holds."""

@@ -84,6 +84,7 @@ class ShardedModel(nn.Module):
         self._in_backward = False
         self._next_reduce = 0
         self._bucket: list[Unit] = []  # ready units whose reduction waits for more
+        self._flying: list[list[Unit]] = []  # issued reductions, oldest first
         self._unreduced = False  # local gradients accumulated under no_sync()
         self._finalized = False
         self._checked: set[int] = set()
@@ -184,6 +185,7 @@ class ShardedModel(nn.Module):
         for u in self.units:
             u.wait_reduce()  # stage 0 writes back into the gradients this backward adds to
             u.start_backward(new_cycle)
+        self._flying = []
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_grad(self, unit: Unit) -> None:
@@ -216,9 +218,16 @@ class ShardedModel(nn.Module):
             self._bucket_flush()
 
     def _bucket_flush(self) -> None:
+        """Issue the pending bucket. At most two reductions stay in flight: the oldest is
+        landed (its communication buffer freed) before a third starts, so the buffers
+        never add up to another copy of the gradients."""
         if self._bucket:
             issue_reduce(self._bucket, free_full=self.stage >= 2)
+            self._flying.append(self._bucket)
             self._bucket = []
+            while len(self._flying) > 2:
+                for u in self._flying.pop(0):
+                    u.wait_reduce()
 
     def _on_backward_end(self) -> None:
         for u in self._reduce_order[self._next_reduce:]:
@@ -260,6 +269,7 @@ class ShardedModel(nn.Module):
         for u in self._reduce_order:
             u.wait_reduce()
             u.assign_step_grads()
+        self._flying = []
         self._finalized = True
 
     def _before_step(self, optimizer) -> None:

@@ -213,18 +213,24 @@ class Unit:
         S = self.r_layout.slot_numel
         out.div_(self.comm.dp_world)
         if self.stage == 0:  # [N, S + F]: every slot, back into the full gradients (DDP)
-            flags, values = out[0, S:], self.r_layout.unpack(out[:, :S])
+            flags = out[0, S:]
         else:
             flags, reduced = out[S:], out[:S]
         self.presence = flags.clone() if self.presence is None else self.presence + flags
-        if self.stage == 0:
+        if self.stage == 0:  # rank by rank, straight from the buffer: no unit-sized temporary
             for j, i in enumerate(self.trainable):
-                p, value = self.params[i], values[j]
+                p, slot = self.params[i], self.r_layout.slots[j]
                 if p.grad is None:
-                    if flags[j] > 0:
-                        p.grad = value.to(self.grad_dtype)
-                else:
-                    p.grad.copy_(value)
+                    if flags[j] <= 0:
+                        continue
+                    p.grad = torch.empty(p.shape, dtype=self.grad_dtype, device=self.device)
+                rows = p.grad.view(slot.rows, slot.row_numel)
+                for r in range(self.comm.dp_world):
+                    n = slot.real_rows(r)
+                    first = r * slot.chunk_rows
+                    rows[first:first + n].copy_(
+                        out[r, slot.offset:slot.offset + n * slot.row_numel].view(
+                            n, slot.row_numel))
         elif self.stage == 1:  # round through the stored gradient dtype, as stages 0/2/3 do
             self.grad_shard = reduced.to(self.grad_dtype)
         elif self.fresh:
