@@ -110,6 +110,8 @@ def test_config_file_flags_win(tmp_path):
     (["--micro-batch", "3"], "micro_batch=3 does not divide the 8 sequences"),
     (["--model", "huge"], "model='huge'; expected one of tiny, small, medium"),
     (["--steps", "0"], "steps=0 must be a positive number"),
+    (["--resume", "/nonexistent"], "/nonexistent is not a zeroshard checkpoint"),
+    (["--init-from", "/nonexistent"], "init_from='/nonexistent': no such file"),
 ])
 def test_bad_flags_fail_before_launch(argv, message, capsys):
     assert main(["train", *argv]) == 2

@@ -94,3 +94,11 @@ def test_init_distributed_without_torchrun_is_a_group_of_one():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True).stdout
     assert out.splitlines() == ["(0, 1)", "['bias', 'weight']"]
+
+
+def test_planner_counts_a_module_with_tied_weights_once():
+    from zeroshard.models.gpt import GPT, get_preset
+    from zeroshard.plan import ModelSpec
+
+    spec = ModelSpec.from_module(GPT(get_preset("small")))
+    assert spec.params == 842_496  # the head shares the embedding: counted once

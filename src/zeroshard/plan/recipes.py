@@ -114,21 +114,9 @@ class Recipe:
         """Persistent bytes per parameter when nothing is sharded (16 for mixed AdamW)."""
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
-    @property
-    def is_custom(self) -> bool:
-        """True for a bytes-only recipe that the engine cannot allocate by."""
-        return self.custom_bytes is not None
-
     def with_reduce_dtype(self, reduce_dtype: str | None) -> Recipe:
         """The same recipe with gradients reduced in another dtype."""
         return dataclasses.replace(self, reduce_dtype=reduce_dtype)
-
-    def describe(self) -> str:
-        """One line: name and bytes per category."""
-        return (
-            f"{self.name}: weights {self.weight_bytes} + grads {self.grad_bytes} + "
-            f"optimizer {self.optimizer_bytes} = {self.total_bytes} bytes/param"
-        )
 
 
 RECIPES: dict[str, Recipe] = {

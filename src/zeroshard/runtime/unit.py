@@ -105,7 +105,6 @@ class Unit:
         self.state = UnitState.GATHERED
         self.pending_grads = 0  # trainable parameters yet to accumulate in this backward
         self.ready = False  # this backward is done with the unit's parameters
-        self.reduced = False  # this backward's reduction has been issued
         self.fresh = True  # the next reduced gradient overwrites the accumulator
         self.presence = None  # [F] per trainable param: ranks x micro-batches with a gradient
         self._in_flight = None  # (work, buffers...) of an issued reduction
@@ -177,7 +176,6 @@ class Unit:
     def start_backward(self, new_cycle: bool) -> None:
         self.pending_grads = len(self.trainable)
         self.ready = False
-        self.reduced = False
         if new_cycle:
             self.fresh = True
             self.presence = None
@@ -196,10 +194,6 @@ class Unit:
                                      device=self.device) if g is None
                          else g.reshape(slot.rows, slot.row_numel))
         return grads, torch.tensor(flags, dtype=self.grad_dtype, device=self.device)
-
-    def issue_reduce(self, free_full: bool) -> None:
-        """Start this unit's reduction alone (see :func:`issue_reduce`)."""
-        issue_reduce([self], free_full)
 
     def wait_reduce(self) -> None:
         """Finish an issued reduction: average, then store where the stage keeps it."""
@@ -339,7 +333,6 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
     Rank r's slot of the buffer is [unit 1's slot r | its flags | unit 2's slot r | ...],
     so each unit's share of the result is one contiguous range of it."""
     for u in units:
-        u.reduced = True
         u.wait_reduce()  # the previous micro-batch's reduction lands first
     units = [u for u in units if u.trainable]
     if not units:

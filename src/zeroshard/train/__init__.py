@@ -89,9 +89,22 @@ def run(args) -> int:
                 dist.destroy_process_group()
         return 0
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
+    _check_paths(cfg)
     env = dict(os.environ)
     env[_ENV] = json.dumps(asdict(cfg))
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
     return subprocess.run(cmd, env=env).returncode
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    """Name a checkpoint or weights path that cannot be read, before any process starts."""
+    from pathlib import Path
+
+    from ..checkpoint.sharded import resolve
+
+    if cfg.resume:
+        resolve(Path(cfg.save_dir) if cfg.resume == "latest" else cfg.resume)
+    if cfg.init_from and not Path(cfg.init_from).exists():
+        raise ValueError(f"init_from={cfg.init_from!r}: no such file or directory")
