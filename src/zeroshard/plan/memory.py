@@ -20,6 +20,17 @@ Activations are not sharded (each rank runs its own micro-batch):
 - without it, Korthikanti et al.'s per-layer ``tokens·h·(34 + 5·a·s/h)`` 16-bit bytes,
   or ``34·tokens·h`` when flash attention never stores the s×s scores.
 
+Tensor parallelism of degree K (``tp``; Shoeybi et al., 2019, "Megatron-LM") splits
+every layer's matrices over K GPUs, and ZeRO shards what each holds over the
+data-parallel degree ``gpus / K``: weights, gradients and optimizer state are divided
+by K before ZeRO divides them again. Activations follow Korthikanti et al. (2022,
+eq. 3, tensor parallelism without sequence parallelism): per layer
+``tokens·h·(10 + 24/K + 5·a·s/(h·K))`` 16-bit bytes, since the layer norms, dropouts
+and layer inputs stay replicated. TP's own traffic is activations: two all-reduces of
+``tokens·h`` elements in forward and two in backward per layer (the f and g operators
+of Megatron-LM, fig. 4), and two more when checkpointing recomputes the forward. With
+``tp = 1`` every formula is the one above, to the byte.
+
 Every figure is an integer number of bytes; sharded figures round up (a rank holds
 whole elements).
 """
@@ -63,20 +74,46 @@ class Workload:
                 )
 
 
-def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload) -> int | None:
+def dp_degree(gpus: int, tp: int = 1) -> int:
+    """Data-parallel ranks when ``gpus`` GPUs run tensor parallelism of degree ``tp``."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+        raise ValueError(f"tp={tp!r} must be a positive integer")
+    if gpus % tp:
+        raise ValueError(f"gpus={gpus} is not divisible by tp={tp}")
+    return gpus // tp
+
+
+def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
+                     tp: int = 1) -> int | None:
     """Activation bytes per GPU, or None when the model's shape is unknown."""
     if not model.activations_modelled:
         return None
     h, layers, b = model.hidden, model.layers, recipe.activation_bytes
     if work.checkpointing:
-        return work.tokens * h * (layers + 17) * b
-    per_layer_16bit = 34 * work.tokens * h  # Korthikanti et al., eq. 2, without the scores
+        if tp == 1:
+            return work.tokens * h * (layers + 17) * b
+        # layer inputs stay whole; the recomputed layer is (10 + 24/K)/2 elements per token·h
+        return work.tokens * h * layers * b + _ceil_div(work.tokens * h * (5 * tp + 12) * b, tp)
+    # Korthikanti et al., eq. 2 (eq. 3 under TP), without the scores
+    per_layer_16bit = _ceil_div((10 * tp + 24) * work.tokens * h, tp)
     if not work.flash_attention:
         if model.heads is None:
             return None
         s = work.seq_len or work.tokens
-        per_layer_16bit += 5 * model.heads * s * work.tokens
+        per_layer_16bit += _ceil_div(5 * model.heads * s * work.tokens, tp)
     return layers * per_layer_16bit * b // 2
+
+
+def tp_comm_bytes(model: ModelSpec, recipe: Recipe, work: Workload, tp: int) -> int:
+    """Bytes one GPU sends per micro-batch in TP's activation all-reduces: 4 per layer
+    (6 with checkpointing's recomputed forward) of ``tokens·h`` elements over ``tp``."""
+    if tp == 1:
+        return 0
+    if model.hidden is None or model.layers is None:
+        raise ValueError("tensor parallelism needs the model's shape: give --hidden and --layers")
+    per_layer = 6 if work.checkpointing else 4
+    t = work.tokens * model.hidden * recipe.activation_bytes
+    return model.layers * per_layer * ring_all_reduce(t, tp)
 
 
 def ring_all_reduce(t: int, n: int) -> int:
@@ -102,6 +139,10 @@ class StrategyPlan:
     """Bytes sent per GPU per step."""
     budget: int | None = None
     """GPU memory in bytes, when one was given."""
+    tp: int = 1
+    """Tensor-parallel degree; ZeRO shards over ``gpus / tp`` data-parallel ranks."""
+    tp_comm: int = 0
+    """Bytes sent per GPU per micro-batch in TP's activation all-reduces (beside ``comm``)."""
 
     @property
     def total(self) -> int:
@@ -121,6 +162,8 @@ class StrategyPlan:
             "total": self.total,
             "comm": self.comm,
             "fits": self.fits,
+            "tp": self.tp,
+            "tp_comm": self.tp_comm,
         }
 
 
@@ -138,12 +181,15 @@ def stage_of(strategy: str | int) -> int:
     return names[key]
 
 
-def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int) -> tuple[int, int, int]:
+def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
+                      tp: int = 1) -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU: stage k shards the first k of
-    (optimizer, grads, weights)."""
+    (optimizer, grads, weights) over ``gpus / tp`` ranks, after TP divides all by ``tp``."""
+    dp = dp_degree(gpus, tp)
+
     def part(bytes_per_param: int, sharded: bool) -> int:
-        total = bytes_per_param * params
-        return _ceil_div(total, gpus) if sharded else total
+        total = _ceil_div(bytes_per_param * params, tp)
+        return _ceil_div(total, dp) if sharded else total
 
     return (
         part(recipe.weight_bytes, stage >= 3),
@@ -152,10 +198,12 @@ def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int) -> tup
     )
 
 
-def comm_bytes(params: int, gpus: int, recipe: Recipe, stage: int) -> int:
-    """Bytes one GPU sends per step under ring accounting."""
-    grads = recipe.reduce_bytes * params
-    weights = recipe.weight_bytes * params
+def comm_bytes(params: int, gpus: int, recipe: Recipe, stage: int, tp: int = 1) -> int:
+    """Bytes one GPU sends per step under ring accounting (its 1/tp of the model, over
+    the ``gpus / tp`` data-parallel ranks)."""
+    gpus = dp_degree(gpus, tp)
+    grads = _ceil_div(recipe.reduce_bytes * params, tp)
+    weights = _ceil_div(recipe.weight_bytes * params, tp)
     if stage == 0:
         return ring_all_reduce(grads, gpus)
     gathers = 2 if stage == 3 else 1  # ZeRO-3 gathers for forward and again for backward
@@ -169,23 +217,26 @@ def plan_strategy(
     strategy: str | int,
     work: Workload | None = None,
     budget: int | None = None,
+    tp: int = 1,
 ) -> StrategyPlan:
-    """Per-GPU bytes of one strategy at ``gpus`` ranks."""
+    """Per-GPU bytes of one strategy on ``gpus`` GPUs (``gpus / tp`` data-parallel ranks)."""
     if not isinstance(gpus, int) or gpus <= 0:
         raise ValueError(f"gpus={gpus!r} must be a positive integer")
+    dp_degree(gpus, tp)
     stage = stage_of(strategy)
-    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage)
+    work = work or Workload()
+    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp)
     return StrategyPlan(
         STRATEGIES[stage], weights, grads, optimizer,
-        activation_bytes(model, recipe, work or Workload()),
-        comm_bytes(model.params, gpus, recipe, stage),
-        budget,
+        activation_bytes(model, recipe, work, tp),
+        comm_bytes(model.params, gpus, recipe, stage, tp),
+        budget, tp, tp_comm_bytes(model, recipe, work, tp),
     )
 
 
-def plan_all(model, gpus, recipe, work=None, budget=None) -> list[StrategyPlan]:
+def plan_all(model, gpus, recipe, work=None, budget=None, tp=1) -> list[StrategyPlan]:
     """One :class:`StrategyPlan` per strategy, DDP first."""
-    return [plan_strategy(model, gpus, recipe, s, work, budget) for s in range(4)]
+    return [plan_strategy(model, gpus, recipe, s, work, budget, tp) for s in range(4)]
 
 
 def transient_bytes(recipe: Recipe, stage: int, gpus: int, largest_unit: int,
