@@ -9,6 +9,8 @@ examples:
   zeroshard plan --params 6738149376 --hidden 4096 --layers 32 --gpu-mem 24
   zeroshard plan --model llama2-70b --min-gpus
   zeroshard plan --hf-config path/to/config.json --sweep 8,16,32,64 --json
+  zeroshard plan --model llama2-13b --gpus 64 --time --global-batch 1024
+  zeroshard plan --model llama2-70b --gpus 64 --network pcie4-roce --recommend
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import json
 import sys
 
-from . import advice, render
+from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, from_hf_config, get_preset
 from .memory import STRATEGIES, Workload, plan_all, stage_of
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
@@ -73,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     o.add_argument("--plot", metavar="FILE.png",
                    help="stacked bars per strategy with the budget line")
+    timecmd.add_arguments(p)
 
 
 def resolve_model(args) -> ModelSpec:
@@ -128,8 +131,9 @@ def run(args) -> int:
         return 0
     for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", *_DIM_FLAGS):
         _positive(name.replace("_", "-"), getattr(args, name))
-    if args.flash_attention and not args.no_checkpointing:
+    if args.flash_attention and not args.no_checkpointing and not args.recommend:
         raise ValueError("--flash-attention only applies with --no-checkpointing")
+    timecmd.check(args)
     model = resolve_model(args)
     recipe = get_recipe(args.precision)
     if args.reduce_dtype:
@@ -140,14 +144,30 @@ def run(args) -> int:
     shown = [STRATEGIES[stage_of(args.strategy)]] if args.strategy else list(STRATEGIES)
     sweep = _sweep(args.sweep) if args.sweep else None
 
-    plans = plan_all(model, args.gpus, recipe, work, budget)
+    if args.recommend:
+        rec = timecmd.run_recommend(args, model, recipe, budget)
+        if args.json:
+            json.dump({"model": model.name, "params": model.params, "gpus": args.gpus,
+                       "recipe": recipe.name, "budget": budget, "accelerator": args.accelerator,
+                       "network": args.network, "recommend": rec.as_dict()}, sys.stdout,
+                      indent=2)
+            sys.stdout.write("\n")
+        else:
+            render.recommendation(model, recipe, args, rec, unit, args.gib)
+        return 0
+    tp = args.tp or 1
+    if tp > 1 and args.min_gpus:
+        raise ValueError(f"--min-gpus searches data-parallel GPU counts only; drop --tp={tp}")
+    plans = plan_all(model, args.gpus, recipe, work, budget, tp)
+    times = timecmd.run_time(args, model, recipe, work) if args.time else None
     fit = advice.first_fit(plans)
     if args.gpu_step is not None and not args.min_gpus:
         raise ValueError("--gpu-step only applies with --min-gpus")
     _positive("gpu-step", args.gpu_step)
     mins = [advice.min_gpus(model, recipe, s, budget, work, args.gpu_step)
             for s in STRATEGIES] if args.min_gpus else None
-    sweep_plans = {n: plan_all(model, n, recipe, work, budget) for n in sweep} if sweep else None
+    sweep_plans = ({n: plan_all(model, n, recipe, work, budget, tp) for n in sweep}
+                   if sweep else None)
 
     if args.json:
         out = {
@@ -161,6 +181,8 @@ def run(args) -> int:
         if sweep_plans is not None:
             out["sweep"] = {str(n): [p.as_dict() for p in ps if p.strategy in shown]
                             for n, ps in sweep_plans.items()}
+        if times is not None:
+            out["time"] = [t.as_dict() for t in times if t.strategy in shown]
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -173,6 +195,8 @@ def run(args) -> int:
             render.min_gpus_table(mins, shown, budget, unit, args.gib, args.gpu_step)
         if sweep_plans is not None:
             render.sweep_table(sweep_plans, shown, unit, args.gib)
+        if times is not None:
+            render.time_table(times, plans, shown, args)
     if args.plot:
         render.plot(args.plot, model, recipe, args.gpus, budget, plans, shown, unit, args.gib)
     return 0

@@ -37,6 +37,8 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
         "no checkpointing, flash attention" if work.flash_attention else "no checkpointing")
     title = (f"{model.name} (P = {model.params:,}), N = {gpus} GPUs, {recipe.name} "
              f"({recipe.total_bytes} bytes/param), {work.tokens:,} tokens, {act}")
+    if plans[0].tp > 1:
+        title += f", TP = {plans[0].tp} (ZeRO over {gpus // plans[0].tp} ranks)"
     t = Table(title=title, title_justify="left")
     for col in ("strategy", "weights", "grads", "optim", "activ", f"total {u}", f"comm {u}",
                 "vs DDP", f"fits {budget / unit:g} {u}"):
@@ -52,6 +54,9 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
     _console().print(t)
     if plans[0].activations is None:
         line("activations: not modelled (give --hidden and --layers)")
+    if plans[0].tp > 1:
+        line(f"TP all-reduces: {_fmt(plans[0].tp_comm, unit)} {u} per GPU per micro-batch "
+             "(beside the comm column)")
 
 
 def min_gpus_table(mins, shown, budget, unit, gib, step) -> None:
@@ -109,3 +114,59 @@ def plot(path, model, recipe, gpus, budget, plans, shown, unit, gib) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     line(f"wrote {path}")
+
+
+def time_table(times, plans, shown, args) -> None:
+    """Predicted seconds per step and where they go, one row per strategy."""
+    prefetch = 1 if args.prefetch is None else args.prefetch
+    t = Table(title=(f"step time on {args.gpus} x {args.accelerator} ({args.network}, "
+                     f"{args.gpus_per_node} per node), {args.blocks_per_unit} block(s) per "
+                     f"unit, prefetch {prefetch}"), title_justify="left")
+    for col in ("strategy", "step s", "compute s", "TP s", "optimizer s", "comm s",
+                "exposed s", "tokens/s/GPU", "fits"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    for st, p in zip(times, plans):
+        if st.strategy in shown:
+            t.add_row(st.strategy, f"{st.step:.3f}", f"{st.compute:.3f}", f"{st.tp_comm:.3f}",
+                      f"{st.optimizer:.4f}", f"{st.comm:.3f}", f"{st.exposed:.3f}",
+                      f"{st.tokens_per_gpu:,.0f}", "yes" if p.fits else "no")
+    _console().print(t)
+
+
+def _config_row(c, best, unit) -> list[str]:
+    return [c.strategy, str(c.tp), str(c.blocks_per_unit),
+            str(c.prefetch) if c.stage == 3 else "-", "on" if c.checkpointing else "off",
+            f"{c.micro_batch} x {c.accumulation}", _fmt(c.memory, unit), f"{c.time.step:.3f}",
+            f"{c.time.tokens_per_gpu:,.0f}", f"{c.time.exposed:.3f}",
+            "best" if c is best else f"{(c.time.step / best.time.step - 1) * 100:+.1f}%"]
+
+
+def recommendation(model, recipe, args, rec, unit, gib) -> None:
+    """The chosen configuration with a reason per choice, then the runners-up."""
+    u = "GiB" if gib else "GB"
+    head = (f"{model.name} on {args.gpus} x {args.accelerator} ({rec.budget / unit:g} {u}), "
+            f"{args.network}, {recipe.name}")
+    if rec.best is None:
+        line(f"{head}: no configuration fits")
+        line(rec.reasons["none"])
+        return
+    b = rec.best
+    values = {"stage": b.strategy, "tp": str(b.tp), "unit size": f"{b.blocks_per_unit} block(s)",
+              "prefetch": str(b.prefetch) if b.stage == 3 else "-",
+              "checkpointing": "on" if b.checkpointing else "off",
+              "micro-batch": f"{b.micro_batch} x {b.accumulation} steps"}
+    t = Table(title=f"recommended: {head}", title_justify="left", show_lines=True)
+    for col in ("choice", "value", "why"):
+        t.add_column(col)
+    for key, value in values.items():
+        t.add_row(key, value, rec.reasons[key])
+    _console().print(t)
+    line(f"predicted step {b.time.step:.3f} s, {b.time.tokens_per_gpu:,.0f} tokens/s per GPU, "
+         f"exposed communication {b.time.exposed:.3f} s, {b.memory / unit:.2f} {u} per GPU")
+    r = Table(title="runners-up (fastest first)", title_justify="left")
+    for col in ("stage", "TP", "blocks/unit", "prefetch", "ckpt", "micro x accum", f"mem {u}",
+                "step s", "tokens/s/GPU", "exposed s", "vs best"):
+        r.add_column(col, justify="left" if col == "stage" else "right")
+    for c in (b, *rec.runners_up):
+        r.add_row(*_config_row(c, b, unit))
+    _console().print(r)

@@ -1,0 +1,167 @@
+"""Hardware for the step-time model: accelerators, links and networks, with presets.
+
+Every rate is a nominal figure from the vendor's data sheet, in bytes or FLOPs per
+second (decimal units), one direction, per GPU:
+
+- **accelerator peak**: dense bf16 tensor-core FLOP/s without sparsity (A100 SXM 312 T,
+  H100 SXM 989 T, H200 SXM 989 T: NVIDIA's A100, H100 and H200 data sheets) and HBM
+  bandwidth (2.039, 3.35 and 4.8 TB/s). The step-time model multiplies the peak by an
+  *efficiency* factor (model FLOPs utilisation); 0.4 is the default, below the 46–52 %
+  that PaLM (Chowdhery et al., 2022, table 3) and Megatron-LM (Narayanan et al., 2021)
+  report for large, well-tuned runs.
+- **links**: NVLink 4 (H100) moves 900 GB/s per GPU in both directions together, so 450
+  GB/s each way; NVLink 3 (A100) 600 → 300 GB/s; PCIe 4.0 ×16 about 32 GB/s each way,
+  PCIe 5.0 ×16 about 64 GB/s; InfiniBand NDR 400 Gb/s = 50 GB/s and HDR 200 Gb/s =
+  25 GB/s per NIC, with one NIC per GPU (the DGX layout); RoCE 100 GbE = 12.5 GB/s.
+- **latency** α per ring step: a few microseconds on NVLink or PCIe within a node, more
+  across the network. These are order-of-magnitude assumptions (NCCL does not publish
+  one figure); they matter only for small messages, i.e. many small units.
+
+The ``cpu`` accelerator and ``loopback`` network hold what ``bench/steptime.py``
+measured on the project's 2-core machine (docs/steptime.md); a run of that script on
+another machine gives its own figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _positive(owner: str, field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{owner}: {field}={value!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One GPU (or CPU process) as the compute model sees it."""
+
+    name: str
+    """Name accepted by ``--accelerator``."""
+    peak_flops: float
+    """Peak dense FLOP/s in the compute dtype (bf16 tensor cores for GPUs)."""
+    memory_bandwidth: float
+    """Bytes/s between the chip and its memory; bounds the optimizer step, which
+    streams every byte of its state once."""
+    efficiency: float = 0.4
+    """Fraction of ``peak_flops`` a transformer step achieves (model FLOPs utilisation)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.name, "peak_flops", self.peak_flops)
+        _positive(self.name, "memory_bandwidth", self.memory_bandwidth)
+        _positive(self.name, "efficiency", self.efficiency)
+        if self.efficiency > 1:
+            raise ValueError(f"{self.name}: efficiency={self.efficiency!r} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the network: the alpha-beta parameters of a ring step on it."""
+
+    name: str
+    """Label shown in tables."""
+    bandwidth: float
+    """Bytes/s one GPU sends on this level, one direction (β in the alpha-beta model)."""
+    latency: float
+    """Seconds of start-up per ring step (α)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.name, "bandwidth", self.bandwidth)
+        if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) \
+                or self.latency < 0:
+            raise ValueError(f"{self.name}: latency={self.latency!r} must be a number >= 0")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Two levels: GPUs of one node share ``intra``; nodes talk over ``inter``."""
+
+    name: str
+    """Name accepted by ``--network``."""
+    intra: Link
+    """Within a node (NVLink, PCIe)."""
+    inter: Link
+    """Between nodes (InfiniBand, RoCE), per GPU: one NIC per GPU."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the step-time model runs on: an accelerator, a network, a node size."""
+
+    accelerator: Accelerator
+    """The chip every rank runs on."""
+    network: Network
+    """The links between chips."""
+    gpus_per_node: int = 8
+    """GPUs that share the intra-node level; a ring over more spans nodes."""
+
+    def __post_init__(self) -> None:
+        n = self.gpus_per_node
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"gpus_per_node={n!r} must be a positive integer")
+
+    def link(self, ranks: int) -> Link:
+        """The level a ring of ``ranks`` consecutive GPUs is bound by: within a node if
+        it fits in one, else the slower of the two (a ring is as fast as its slowest
+        hop; with a NIC per GPU each GPU's share crosses its own NIC, which is how NCCL's
+        bus bandwidth saturates at the NIC rate across nodes)."""
+        if ranks <= self.gpus_per_node:
+            return self.network.intra
+        a, b = self.network.intra, self.network.inter
+        return Link(f"{a.name}+{b.name}", min(a.bandwidth, b.bandwidth),
+                    max(a.latency, b.latency))
+
+
+_NVLINK4 = Link("NVLink 4", 450e9, 3e-6)
+_NVLINK3 = Link("NVLink 3", 300e9, 3e-6)
+_PCIE4 = Link("PCIe 4.0 x16", 32e9, 5e-6)
+_PCIE5 = Link("PCIe 5.0 x16", 64e9, 5e-6)
+_NDR = Link("InfiniBand NDR 400G", 50e9, 10e-6)
+_HDR = Link("InfiniBand HDR 200G", 25e9, 10e-6)
+_ROCE100 = Link("RoCE 100GbE", 12.5e9, 15e-6)
+# bench/steptime.py on the project's machine: gloo all-reduce over 127.0.0.1 at N = 2.
+_LOOPBACK = Link("gloo loopback", 1.0e9, 100e-6)
+
+ACCELERATORS: dict[str, Accelerator] = {
+    a.name: a
+    for a in (
+        Accelerator("a100", 312e12, 2.039e12),
+        Accelerator("h100", 989e12, 3.35e12),
+        Accelerator("h200", 989e12, 4.8e12),
+        # bench/steptime.py: the GEMM rate of one thread, the efficiency of a one-process
+        # GPT medium step against it, and AdamW's effective streaming rate.
+        Accelerator("cpu", 100e9, 10e9, efficiency=0.5),
+    )
+}
+
+NETWORKS: dict[str, Network] = {
+    n.name: n
+    for n in (
+        Network("nvlink4-ndr", _NVLINK4, _NDR),
+        Network("nvlink3-hdr", _NVLINK3, _HDR),
+        Network("pcie4-roce", _PCIE4, _ROCE100),
+        Network("pcie5-ndr", _PCIE5, _NDR),
+        Network("loopback", _LOOPBACK, _LOOPBACK),
+    )
+}
+
+DEFAULT_ACCELERATOR = "h100"
+DEFAULT_NETWORK = "nvlink4-ndr"
+
+
+def get_accelerator(name: str, efficiency: float | None = None) -> Accelerator:
+    """A preset by name, optionally with another efficiency; the error lists them."""
+    if name not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {name!r}; expected one of "
+                         f"{', '.join(ACCELERATORS)}")
+    a = ACCELERATORS[name]
+    if efficiency is None:
+        return a
+    return Accelerator(a.name, a.peak_flops, a.memory_bandwidth, efficiency)
+
+
+def get_network(name: str) -> Network:
+    """A preset by name; the error lists them."""
+    if name not in NETWORKS:
+        raise ValueError(f"unknown network {name!r}; expected one of {', '.join(NETWORKS)}")
+    return NETWORKS[name]

@@ -1,0 +1,109 @@
+"""The ``zeroshard plan`` flags of the group "time and recommendation".
+
+``--time`` adds the step-time table (``steptime``) to the plan; ``--recommend`` replaces
+the plan with the recommended configuration (``recommend``). ``--tp`` applies to the
+memory plan as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .hardware import (
+    ACCELERATORS,
+    DEFAULT_ACCELERATOR,
+    DEFAULT_NETWORK,
+    NETWORKS,
+    Cluster,
+    get_accelerator,
+    get_network,
+)
+from .memory import Workload, dp_degree
+from .recommend import recommend
+from .steptime import step_times
+
+#: Global batch of --recommend when none is given: 1,024 sequences (2M tokens at 2,048).
+DEFAULT_GLOBAL_BATCH = 1024
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("time and recommendation")
+    t.add_argument("--time", action="store_true",
+                   help="predicted step time per strategy: compute, communication, exposed "
+                        "communication, tokens/s per GPU")
+    t.add_argument("--recommend", action="store_true",
+                   help="the stage, tensor parallelism, unit size, prefetch, checkpointing and "
+                        "micro-batch to run, with a reason for each and the runners-up")
+    t.add_argument("--accelerator", default=DEFAULT_ACCELERATOR,
+                   help=f"one of {', '.join(ACCELERATORS)} (default {DEFAULT_ACCELERATOR})")
+    t.add_argument("--efficiency", type=float,
+                   help="fraction of the accelerator's peak FLOP/s reached (default: the "
+                        "preset's, 0.4 for GPUs)")
+    t.add_argument("--network", default=DEFAULT_NETWORK,
+                   help=f"intra-/inter-node links: one of {', '.join(NETWORKS)} "
+                        f"(default {DEFAULT_NETWORK})")
+    t.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs sharing the intra-node link (default 8)")
+    t.add_argument("--global-batch", type=int, metavar="SEQUENCES",
+                   help="sequences per optimizer step over all GPUs, each of --seq-len tokens "
+                        "(default --tokens); with --time it sets the accumulation steps, "
+                        f"with --recommend the default is {DEFAULT_GLOBAL_BATCH}")
+    t.add_argument("--tp", type=int,
+                   help="tensor-parallel degree K: ZeRO runs over --gpus / K data-parallel "
+                        "ranks (default 1; --recommend tries 1, 2, 4, 8 unless given)")
+    t.add_argument("--prefetch", type=int,
+                   help="stage-3 units gathered ahead (default 1; --recommend tries 0-2 "
+                        "unless given)")
+    t.add_argument("--blocks-per-unit", type=int, default=1,
+                   help="with --time: transformer blocks per unit (default 1)")
+
+
+def check(args) -> None:
+    """Flag values that are wrong whatever else is asked."""
+    for name in ("gpus_per_node", "global_batch", "tp", "blocks_per_unit"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be positive")
+    if args.prefetch is not None and args.prefetch < 0:
+        raise ValueError(f"--prefetch={args.prefetch} must be 0 or more")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency={args.efficiency} must be in (0, 1]")
+    if args.time and args.recommend:
+        raise ValueError("--time and --recommend contradict each other; give one")
+    if args.tp is not None:
+        dp_degree(args.gpus, args.tp)
+    cluster(args)  # names an unknown preset even when no time is asked for
+
+
+def cluster(args) -> Cluster:
+    return Cluster(get_accelerator(args.accelerator, args.efficiency),
+                   get_network(args.network), args.gpus_per_node)
+
+
+def accumulation(args, work: Workload, tp: int) -> int:
+    """Micro-batches per step for --global-batch sequences (1 without it)."""
+    if args.global_batch is None:
+        return 1
+    seq = work.seq_len or work.tokens
+    dp = dp_degree(args.gpus, tp)
+    total = args.global_batch * seq
+    if total % (dp * work.tokens):
+        raise ValueError(f"--global-batch={args.global_batch} sequences of {seq} tokens do not "
+                         f"divide into micro-batches of --tokens={work.tokens} over {dp} "
+                         "data-parallel ranks")
+    return total // (dp * work.tokens)
+
+
+def run_time(args, model, recipe, work) -> list:
+    """One StepTime per strategy for the plan's workload."""
+    tp = args.tp or 1
+    return step_times(model, recipe, work, args.gpus, cluster(args), args.blocks_per_unit,
+                      1 if args.prefetch is None else args.prefetch,
+                      accumulation(args, work, tp), tp)
+
+
+def run_recommend(args, model, recipe, budget):
+    seq = args.seq_len or args.tokens
+    return recommend(model, recipe, args.gpus, budget, cluster(args),
+                     args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
+                     args.tp, args.prefetch)

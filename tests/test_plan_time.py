@@ -1,0 +1,273 @@
+"""The step-time model, tensor parallelism in the planner, and --recommend."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zeroshard.cli import main
+from zeroshard.plan import ModelSpec, Workload, get_preset, get_recipe, plan_strategy
+from zeroshard.plan.hardware import Accelerator, Cluster, Link, Network, get_network
+from zeroshard.plan.memory import (
+    activation_bytes,
+    comm_bytes,
+    model_state_bytes,
+    ring_all_reduce,
+    tp_comm_bytes,
+    transient_bytes,
+)
+from zeroshard.plan.recommend import HEADROOM, Candidate, choose, recommend
+from zeroshard.plan.steptime import (
+    Schedule,
+    StepTime,
+    ring_time,
+    step_time,
+    train_flops_per_token,
+)
+
+BF16 = get_recipe("bf16-mixed-adamw")
+MS = 1e-3
+
+# A toy cluster where every number is round: 4 layers of 250,000 parameters (P = 10^6),
+# h = 1 and s = 1 so attention adds 4·L·h·s = 16 FLOPs per token, 1,000 tokens per
+# micro-batch, a rate that makes one unit's forward F = 0.5 ms (backward 1 ms), and a
+# 1 GB/s link without latency between 2 ranks: a unit's bf16 weights (500 kB) gather in
+# G = 0.25 ms, its gradients reduce-scatter in 0.25 ms and all-reduce in 0.5 ms.
+TOY = ModelSpec("toy", 10**6, hidden=1, layers=4)
+WORK = Workload(1000, seq_len=1, checkpointing=False)
+RATE = (2 * 10**6 + 16) * 1000 / 4 / (0.5 * MS)
+OPT_BW = 1e15
+TOY_LINK = Link("toy", 1e9, 0.0)
+TOY_CLUSTER = Cluster(Accelerator("toy", RATE, OPT_BW, efficiency=1.0),
+                      Network("toy", TOY_LINK, TOY_LINK))
+
+
+def toy(stage, prefetch=1, micro_batches=1):
+    return step_time(TOY, BF16, WORK, 2, TOY_CLUSTER, Schedule(stage, 1, prefetch, micro_batches))
+
+
+def optimizer(stage):  # 2·(12 + 2) + 2 = 30 bytes streamed per owned parameter
+    return 30 * 10**6 / (2 if stage else 1) / OPT_BW
+
+
+def test_ring_alpha_beta_by_hand():
+    link = Link("l", 100e9, 10e-6)
+    # all-reduce of 1 GB over 8 ranks: 2·(7·10 µs + 7/8 · 1e9 / 1e11 s) = 17.64 ms
+    assert ring_time("all_reduce", 1e9, 8, link) == pytest.approx(17.64 * MS)
+    assert ring_time("all_gather", 1e9, 8, link) == pytest.approx(8.82 * MS)
+    assert ring_time("reduce_scatter", 1e9, 1, link) == 0.0
+    with pytest.raises(ValueError, match="kind='broadcast'"):
+        ring_time("broadcast", 1, 2, link)
+
+
+def test_levels_within_and_across_nodes():
+    c = Cluster(Accelerator("a", 1e12, 1e12), get_network("nvlink4-ndr"), gpus_per_node=8)
+    assert c.link(8).bandwidth == 450e9
+    assert (c.link(9).bandwidth, c.link(9).latency) == (50e9, 10e-6)
+    # 7B-style gradients (13.48 GB bf16) reduce-scattered over 64 GPUs across nodes:
+    # 63·10 µs + 63/64 · 13.476 GB / 50 GB/s
+    t = ring_time("reduce_scatter", 2 * 6_738_149_376, 64, c.link(64))
+    assert t == pytest.approx(63 * 10e-6 + 63 / 64 * 2 * 6_738_149_376 / 50e9)
+
+
+def test_flops_per_token():
+    m = ModelSpec("m", 1000, hidden=8, layers=2)
+    assert train_flops_per_token(m, 16, False) == 6 * 1000 + 12 * 2 * 8 * 16
+    assert train_flops_per_token(m, 16, True) == 8 * 1000 + 16 * 2 * 8 * 16
+
+
+def test_stage0_hides_all_but_the_last_reduction():
+    # forward 2 ms, backward 4 ms, reductions of 0.5 ms behind each unit's backward
+    t = toy(0)
+    assert t.compute == pytest.approx(6 * MS)
+    assert t.step == pytest.approx(6.5 * MS + optimizer(0))
+    assert t.exposed == pytest.approx(0.5 * MS)
+    assert t.comm == pytest.approx(2 * MS)
+    assert t.tokens_per_gpu == pytest.approx(1000 / t.step)
+
+
+def test_stage1_post_step_gathers_are_exposed():
+    # last reduce-scatter 0.25 ms, then four unit all-gathers of 0.25 ms after the step
+    t = toy(1)
+    assert t.step == pytest.approx(6.25 * MS + optimizer(1) + 1 * MS)
+    assert t.exposed == pytest.approx(1.25 * MS)
+    assert toy(2).step == t.step
+
+
+def test_stage3_prefetch_one_exposes_the_first_gather_of_each_pass():
+    # 2·G + 4F + 4B + the last reduce-scatter
+    t = toy(3, prefetch=1)
+    assert t.step == pytest.approx((0.5 + 2 + 4 + 0.25) * MS + optimizer(3))
+    assert t.exposed == pytest.approx(0.75 * MS)
+    assert toy(3, prefetch=2).step == pytest.approx(t.step)
+
+
+def test_stage3_without_prefetch_waits_for_every_gather():
+    # forward 4·(G + F); in backward each gather queues behind the previous reduction
+    t = toy(3, prefetch=0)
+    assert t.step == pytest.approx(9.0 * MS + optimizer(3))
+    assert t.exposed == pytest.approx(3.0 * MS)
+
+
+def test_three_reductions_in_flight_wait_and_slow_links_serialise():
+    slow = Link("slow", 0.25e9, 0.0)  # all-reduce of a unit: 2 ms, longer than a backward
+    c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
+    t = step_time(TOY, BF16, WORK, 2, c, Schedule(0))
+    assert t.step == pytest.approx((3 + 4 * 2) * MS + optimizer(0))
+
+
+def test_accumulation_overlaps_reductions_with_the_next_forward():
+    assert toy(0, micro_batches=2).step == pytest.approx(12.5 * MS + optimizer(0))
+    # beyond three simulated micro-batches the steady-state increment repeats
+    assert toy(0, micro_batches=5).step == pytest.approx(30.5 * MS + optimizer(0))
+
+
+def test_schedule_validation_names_the_value():
+    with pytest.raises(ValueError, match="stage=5"):
+        Schedule(5)
+    with pytest.raises(ValueError, match="prefetch=-1 must be an integer >= 0"):
+        Schedule(3, prefetch=-1)
+    with pytest.raises(ValueError, match="efficiency=1.5"):
+        Accelerator("x", 1e12, 1e12, efficiency=1.5)
+    with pytest.raises(ValueError, match="bandwidth=0"):
+        Link("x", 0, 0.0)
+
+
+# -- tensor parallelism in the memory model ---------------------------------------------
+
+M7 = ModelSpec("7B-style", 6_738_149_376, 4096, 32, 32)
+
+
+def test_tp_divides_state_then_zero_shards_it():
+    P = M7.params
+    assert model_state_bytes(P, 8, BF16, 0, tp=2) == (P, P, 6 * P)
+    w, g, o = model_state_bytes(P, 16, BF16, 3, tp=2)
+    assert (w, g, o) == (-(-P // 8), -(-P // 8), -(-6 * P // 8))
+    assert model_state_bytes(P, 8, BF16, 2, tp=1) == model_state_bytes(P, 8, BF16, 2)
+    # DP traffic is the 1/tp of the model over gpus/tp ranks
+    assert comm_bytes(P, 16, BF16, 0, tp=2) == ring_all_reduce(P, 8)
+
+
+def test_tp_activations_korthikanti():
+    t, tok, h = 2, 2048, 4096
+    # checkpointing: layer inputs whole, the recomputed layer (10 + 24/t)/2 elements
+    assert activation_bytes(M7, BF16, Workload(tok), tp=t) == tok * h * (32 * 2 + 22)
+    # no checkpointing: per layer s·h·(10 + 24/t + 5·a·s/(h·t)) 16-bit bytes
+    full = activation_bytes(M7, BF16, Workload(tok, checkpointing=False), tp=t)
+    assert full == 32 * tok * h * (10 + 24 // t + 5 * 32 * tok // (h * t))
+    assert activation_bytes(M7, BF16, Workload(tok), tp=1) == tok * h * 49 * 2
+
+
+def test_tp_all_reduces_are_counted():
+    work = Workload(2048)
+    one = ring_all_reduce(2048 * 4096 * 2, 4)
+    assert tp_comm_bytes(M7, BF16, work, 4) == 32 * 6 * one  # 4 per layer + 2 recomputed
+    plan = plan_strategy(M7, 32, BF16, 3, Workload(2048, checkpointing=False), tp=4)
+    assert plan.tp_comm == 32 * 4 * one and plan.as_dict()["tp"] == 4
+    assert plan_strategy(M7, 8, BF16, 3).tp_comm == 0
+
+
+def test_tp_must_divide_gpus():
+    with pytest.raises(ValueError, match="gpus=8 is not divisible by tp=3"):
+        plan_strategy(M7, 8, BF16, 3, tp=3)
+
+
+# -- recommend ----------------------------------------------------------------------------
+
+H100 = Cluster(Accelerator("h100", 989e12, 3.35e12), get_network("nvlink4-ndr"))
+CASES = [(m, n) for m in ("llama2-7b", "llama2-13b", "llama2-70b") for n in (8, 16, 64, 256)]
+KEYS = ("stage", "tp", "unit size", "prefetch", "checkpointing", "micro-batch")
+
+
+@pytest.mark.parametrize("name,gpus", CASES)
+def test_recommend_seed_models(name, gpus):
+    model = ModelSpec.from_arch(get_preset(name))
+    budget = 80 * 10**9
+    rec = recommend(model, BF16, gpus, budget, H100, 1024, 2048)
+    if name == "llama2-70b" and gpus <= 16:
+        # 16P/16 = 69 GB of state, +3.3 GB activations, + a gathered unit: past 72 GB
+        assert rec.best is None
+        assert "fit from 24 GPUs" in rec.reasons["none"]
+        return
+    b = rec.best
+    assert set(rec.reasons) == set(KEYS) and all(rec.reasons[k] for k in KEYS)
+    assert b.strategy in rec.reasons["stage"] and "headroom" in rec.reasons["stage"]
+    # feasible by the planner's own numbers: state + activations + transients
+    work = Workload(b.micro_batch * 2048, 2048, b.checkpointing)
+    units = -(-model.layers // b.blocks_per_unit)
+    total = plan_strategy(model, gpus, BF16, b.stage, work, tp=b.tp).total + sum(
+        transient_bytes(BF16, b.stage, gpus // b.tp, -(-model.params // (b.tp * units)),
+                        b.prefetch).values())
+    assert b.memory == total <= budget * (1 - HEADROOM)
+    assert gpus // b.tp * b.micro_batch * b.accumulation == 1024
+    assert rec.runners_up and all(c.time.step >= b.time.step * 0.99 for c in rec.runners_up)
+
+
+def test_recommend_70b_on_16_h200s_fits():
+    model = ModelSpec.from_arch(get_preset("llama2-70b"))
+    rec = recommend(model, BF16, 16, 141 * 10**9, H100, 1024, 2048)
+    assert rec.best.memory <= 0.9 * 141e9
+    assert recommend(model, BF16, 8, 141 * 10**9, H100, 1024, 2048).best is None
+
+
+def test_choose_prefers_the_simpler_configuration_within_one_percent():
+    def cand(stage, step, tp=1, ckpt=False):
+        t = StepTime("x", step, 0, 0, 0, 0, 0, 1)
+        return Candidate(stage, tp, 1, 1 if stage == 3 else 0, ckpt, 1, 1, 0, t)
+
+    z3, z1, ddp = cand(3, 1.0), cand(1, 1.009), cand(0, 1.02)
+    assert choose([z3, z1, ddp]) is z1  # within 1%: the lower stage
+    assert choose([z3, ddp]) is z3  # 2% slower: the faster, higher stage
+    assert choose([cand(2, 1.0, tp=2), cand(2, 1.005)]).tp == 1
+    assert choose([cand(2, 1.0, ckpt=True), cand(2, 1.02)]).checkpointing
+
+
+def test_recommend_cli_text_and_json(capsys):
+    assert main(["plan", "--model", "llama2-13b", "--gpus", "64", "--recommend"]) == 0
+    text = capsys.readouterr().out
+    assert "recommended: llama2-13b on 64 x h100" in text and "runners-up" in text
+    assert main(["plan", "--model", "llama2-7b", "--gpus", "16", "--recommend", "--tp", "1",
+                 "--network", "pcie4-roce", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommend"]["best"]["tp"] == 1 and out["network"] == "pcie4-roce"
+    assert set(out["recommend"]["reasons"]) == set(KEYS)
+
+
+def test_time_cli(capsys):
+    assert main(["plan", "--model", "llama2-7b", "--time", "--global-batch", "64",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [t["strategy"] for t in out["time"]] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    assert all(t["step"] > t["compute"] > 0 for t in out["time"])
+    assert main(["plan", "--model", "llama2-7b", "--gpus", "16", "--tp", "2", "--time"]) == 0
+    text = capsys.readouterr().out
+    assert "TP = 2 (ZeRO over 8 ranks)" in text and "exposed s" in text
+
+
+BAD = [
+    (["--network", "wifi"], "unknown network 'wifi'; expected one of nvlink4-ndr"),
+    (["--accelerator", "tpu", "--time"], "unknown accelerator 'tpu'"),
+    (["--tp", "3"], "gpus=8 is not divisible by tp=3"),
+    (["--tp", "0"], "--tp=0 must be positive"),
+    (["--efficiency", "1.5", "--time"], "--efficiency=1.5 must be in (0, 1]"),
+    (["--prefetch", "-1", "--time"], "--prefetch=-1 must be 0 or more"),
+    (["--time", "--recommend"], "--time and --recommend contradict each other"),
+    (["--time", "--global-batch", "12"], "--global-batch=12 sequences of 2048 tokens do not"),
+    (["--recommend", "--tp", "1", "--global-batch", "12"], "does not divide over 8 data-"),
+    (["--params", "100", "--recommend"], "--recommend needs the model's shape"),
+    (["--tp", "2", "--min-gpus"], "drop --tp=2"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_values_are_one_line(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_recommend_never_imports_torch():
+    code = ("import sys, zeroshard.cli as c; c.main(['plan', '--recommend', '--json']);"
+            "c.main(['plan', '--time']); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
