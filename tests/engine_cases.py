@@ -305,7 +305,8 @@ def bf16_grid(steps=20):
 
 
 def ledger_grid(model="mlp"):
-    """Memory per category after one step, and bytes sent in one (unclipped) step."""
+    """Memory per category between a backward and its step (the optimizer state made by
+    a first step), and bytes sent in one (unclipped) step."""
     from zeroshard.plan.memory import comm_bytes, model_state_bytes
 
     out = {}
@@ -314,11 +315,15 @@ def ledger_grid(model="mlp"):
             _, _, net, opt = train(model, stage, steps=1, precision=precision)
             params = sum(p.numel() for p in build(model).parameters())
             recipe = net.config.recipe
-            mem = net.memory(opt)
             net.comm_stats(reset=True)
             x, y = batch(model, 1)
             net(x, y).backward()
+            # read once the engine's step pre-hook has landed every gradient
+            seen = []
+            hook = opt.register_step_pre_hook(lambda o, a, k: seen.append(net.memory(o)))
             opt.step()
+            hook.remove()
+            mem = seen[0]
             opt.zero_grad()
             flags = sum(len(u.trainable) for u in net.units)
             out[(precision, stage)] = {

@@ -28,8 +28,11 @@ def measure(units, optimizer=None) -> dict[str, int]:
         # gradients: full below stage 2 (a transient reduced shard at stage 1), shard after
         g_real, g_slot = u.g_layout.real_numel(r), u.g_layout.slot_numel
         if stage <= 1:
-            out["grads"] += sum(tensor_bytes(u.params[i].grad) for i in u.trainable
-                                if u.params[i].grad is not None)
+            for i in u.trainable:
+                g = u.params[i].grad
+                if g is None and stage == 0 and u.master is None:
+                    g = u.shards[i].grad  # after the step: a view of them, until zero_grad()
+                out["grads"] += tensor_bytes(g) if g is not None else 0
             if u.grad_shard is not None:
                 out["buffers"] += tensor_bytes(u.grad_shard)
         else:

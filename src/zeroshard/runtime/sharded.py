@@ -11,9 +11,12 @@
    fixed order* (the reverse of the units' forward order), so every rank issues the same
    sequence even when a rank's unused parameter makes a unit finish late there; the
    gradient reductions travel on their own process group, so they cannot interleave
-   with stage 3's gathers. Stage 0 all-reduces, stages 2–3 reduce-scatter and free the
-   full gradients at once; stage 1 reduce-scatters the accumulated full gradients too
-   but keeps them, and only the last synchronised backward's result is kept.
+   with stage 3's gathers. The local gradients are packed into the unit's
+   communication buffer and freed at once (stage 0 all-reduces and lands the average in
+   fresh full gradients; stages 2–3 reduce-scatter into the shard); stage 1
+   reduce-scatters the accumulated full gradients too but keeps them, and only the last
+   synchronised backward's result is kept. Stages 0–1 drop the full gradients after
+   the step (stage 0's live on as the shards' ``.grad`` until ``zero_grad()``).
 3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
    its gradient; the post-hook brings the compute weights up to date (a cast at stages
    0 and 3, an all-gather at stages 1–2, awaited in the next forward).
@@ -222,7 +225,7 @@ class ShardedModel(nn.Module):
         landed (its communication buffer freed) before a third starts, so the buffers
         never add up to another copy of the gradients."""
         if self._bucket:
-            issue_reduce(self._bucket, free_full=self.stage >= 2)
+            issue_reduce(self._bucket, free_full=self.stage != 1)
             self._flying.append(self._bucket)
             self._bucket = []
             while len(self._flying) > 2:

@@ -211,20 +211,8 @@ class Unit:
         else:
             flags, reduced = out[S:], out[:S]
         self.presence = flags.clone() if self.presence is None else self.presence + flags
-        if self.stage == 0:  # rank by rank, straight from the buffer: no unit-sized temporary
-            for j, i in enumerate(self.trainable):
-                p, slot = self.params[i], self.r_layout.slots[j]
-                if p.grad is None:
-                    if flags[j] <= 0:
-                        continue
-                    p.grad = torch.empty(p.shape, dtype=self.grad_dtype, device=self.device)
-                rows = p.grad.view(slot.rows, slot.row_numel)
-                for r in range(self.comm.dp_world):
-                    n = slot.real_rows(r)
-                    first = r * slot.chunk_rows
-                    rows[first:first + n].copy_(
-                        out[r, slot.offset:slot.offset + n * slot.row_numel].view(
-                            n, slot.row_numel))
+        if self.stage == 0:
+            self._land_full_grads(out[:, :S])
         elif self.stage == 1:  # round through the stored gradient dtype, as stages 0/2/3 do
             self.grad_shard = reduced.to(self.grad_dtype)
         elif self.fresh:
@@ -232,6 +220,25 @@ class Unit:
         else:  # summed in the reduce dtype, rounded once into the stored dtype
             self.grad_shard.add_(reduced)
         self.fresh = False
+
+    def _land_full_grads(self, reduced: torch.Tensor) -> None:
+        """Stage 0: the averaged [N, S] buffer back into full gradients, in one copy.
+
+        Each gradient gets a padded storage [N, c·row] (the weights' layout), so the
+        buffer's column ranges land with one ``split_with_sizes_copy`` instead of a copy
+        per parameter and rank. The local gradients were freed when the reduction was
+        issued, so this allocation replaces them rather than adding to them. A parameter
+        no rank saw gets zeros here; its presence flag keeps it out of the step."""
+        if reduced.dtype != self.grad_dtype:  # e.g. bf16 gradients reduced in fp32
+            reduced = reduced.to(self.grad_dtype)
+        storages = []
+        for j, i in enumerate(self.trainable):
+            slot = self.r_layout.slots[j]
+            buf = torch.empty(self.comm.dp_world, slot.chunk_numel, dtype=self.grad_dtype,
+                              device=self.device)  # [N, c·row], padded
+            self.params[i].grad = buf.view(-1)[:slot.numel].view(self.params[i].shape)
+            storages.append(buf)
+        torch.split_with_sizes_copy(reduced, self.r_layout.split_sizes, dim=1, out=storages)
 
     def assign_step_grads(self) -> None:
         """Hand the optimizer this rank's reduced gradients (fp32 for a master copy)."""
@@ -256,7 +263,13 @@ class Unit:
     def after_step(self) -> None:
         """Bring the compute weights up to date with the updated shards."""
         self.step_grads = None
-        if self.stage == 1:
+        if self.stage <= 1:
+            # The step has consumed them: the next backward starts a new cycle anyway, so
+            # the full gradients go now rather than live through the next forward beside
+            # its activations. At stage 0 in fp32 the shard's .grad is a view of them and
+            # holds them until the optimizer's zero_grad(), as torch DDP's gradients do.
+            for i in self.trainable:
+                self.params[i].grad = None
             self.grad_shard = None  # stage 1 keeps full gradients only; the shard was transient
         if self.master is not None:
             for i in self.trainable:
