@@ -1,0 +1,214 @@
+"""The planner page in a real browser: Debian's chromium, driven by Playwright.
+
+Each configuration is set through the page's own controls (the same clicks, keys and
+typing a person would use), then every readout cell, bar segment, fewest-GPU result,
+sweep point and floor is compared, as an exact integer and as printed text, with
+``zeroshard plan``'s Python functions. The page must make no network request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from zeroshard.plan import (
+    PRESETS,
+    RECIPES,
+    STRATEGIES,
+    Architecture,
+    ModelSpec,
+    Workload,
+    first_fit,
+    floor_bytes,
+    get_recipe,
+    min_gpus,
+    plan_all,
+    why_none_fits,
+)
+from zeroshard.plan.page import write_page
+from zeroshard.plan.render import _fmt
+
+from .page_browser import (
+    CONFIGS,
+    READ,
+    UNITS,
+    Session,
+    launch,
+    model_of,
+    need_browser,
+    set_controls,
+)
+
+SWEEP = [1 << k for k in range(11)]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    need_browser()
+    with launch() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def session(browser, tmp_path_factory):
+    s = Session(browser, write_page(tmp_path_factory.mktemp("page") / "plan.html"))
+    yield s
+    s.context.close()
+
+
+def exact(value) -> str:
+    """How the page writes a byte count in data-bytes: the integer, or empty for None."""
+    return "" if value is None else str(value)
+
+
+def expected(c: dict) -> dict:
+    """What ``zeroshard plan`` computes for configuration ``c``."""
+    model, unit = model_of(c), UNITS[c["unit"]]
+    recipe = get_recipe(c["recipe"])
+    work = Workload(c["tokens"], c.get("seq_len"), c["checkpointing"], c.get("flash", False))
+    budget = int(c["mem"] * unit)  # command.run
+    gpus = c["gpus"]
+    plans = plan_all(model, gpus, recipe, work, budget)
+    mins = [min_gpus(model, recipe, s, budget, work, c.get("step")) for s in STRATEGIES]
+    return dict(model=model, unit=unit, recipe=recipe, work=work, budget=budget, gpus=gpus,
+                plans=plans, mins=mins, fit=first_fit(plans))
+
+
+def check_readout(got: dict, want: dict) -> None:
+    unit, plans = want["unit"], want["plans"]
+    assert got["status"] == "" and got["gpus"] == str(want["gpus"])
+    assert got["params"] == str(want["model"].params)
+    assert got["budget"] == str(want["budget"])
+    assert got["first"] == (want["fit"] or "")
+    if want["fit"] is None:
+        why = why_none_fits(want["model"], want["recipe"], want["gpus"], want["budget"],
+                            want["work"])
+        assert got["headline"] == why
+    else:
+        assert got["headline"].startswith(f"first fit on {want['gpus']} GPUs: {want['fit']}")
+    ddp = plans[0].comm
+    for p in plans:
+        row = got["plan"][p.strategy]
+        for field, decimals in (("weights", 2), ("grads", 2), ("optimizer", 2),
+                                ("activations", 3), ("total", 2), ("comm", 2)):
+            value = getattr(p, field)
+            assert row[field]["bytes"] == exact(value), (p.strategy, field)
+            assert row[field]["text"] == _fmt(value, unit, decimals), (p.strategy, field)
+        assert row["ratio"]["text"] == (f"{p.comm / ddp:.2f}x" if ddp else "n/a")
+        assert row["fits"]["text"] == ("yes" if p.fits else "no")
+    for m in want["mins"]:
+        row = got["mins"][m.strategy]
+        assert row["gpus"]["gpus"] == exact(m.gpus), m
+        assert row["total"]["bytes"] == exact(m.total), m
+        assert row["floor"]["bytes"] == str(m.floor), m
+        assert row["floor"]["text"] == _fmt(m.floor, unit, 1)
+    bars = {(s, cat): b for s, cat, b in got["bars"]}
+    assert len(bars) == 16
+    for p in plans:
+        for cat in ("weights", "grads", "optimizer", "activations"):
+            assert bars[p.strategy, cat] == exact(getattr(p, cat))
+    model, recipe, work, budget = (want[k] for k in ("model", "recipe", "work", "budget"))
+    assert [n for n, _ in got["sweep"]] == SWEEP
+    for n, totals in got["sweep"]:
+        assert totals == [str(p.total) for p in plan_all(model, n, recipe, work, budget)], n
+    assert got["floors"] == {s: str(floor_bytes(model, recipe, s)) for s in ("ZeRO-1", "ZeRO-2")}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c["id"] for c in CONFIGS])
+def test_readout_matches_planner(session, config):
+    set_controls(session.page, config)
+    check_readout(session.page.evaluate(READ), expected(config))
+    assert session.errors == []
+
+
+def test_seed_worked_example_as_printed(session):
+    """The first source document's 7B-style table, read off the page as text."""
+    c = dict(mode="params", params=6_738_149_376, hidden=4096, layers=32, gpus=8, mem=80,
+             unit="GB", recipe="bf16-mixed-adamw", tokens=2048, checkpointing=True)
+    set_controls(session.page, c)
+    got = session.page.evaluate(READ)
+    assert [got["plan"][s]["total"]["text"] for s in STRATEGIES] == [
+        "108.63", "37.88", "26.09", "14.30"]
+    assert [got["plan"][s]["ratio"]["text"] for s in STRATEGIES] == ["1.00x"] * 3 + ["1.50x"]
+    assert got["first"] == "ZeRO-1"
+
+
+def test_architecture_port_counts_every_preset(session):
+    counts = session.page.evaluate(
+        "() => Object.fromEntries(Object.entries(DATA.presets).map("
+        "([n, p]) => [n, String(Planner.archParams(p))]))")
+    assert counts == {name: str(a.params) for name, a in PRESETS.items()}
+
+
+def test_bad_input_is_reported_not_thrown(session):
+    page = session.page
+    page.fill("#tokens", "0")
+    assert page.inner_text("#status") == "tokens must be a positive integer"
+    page.fill("#tokens", "2048")
+    assert page.inner_text("#status") == ""
+    assert session.errors == []
+
+
+def test_initial_state_from_python(browser, tmp_path):
+    """write_page's state (as `zeroshard plan --html` passes it) is what the page opens with."""
+    model = ModelSpec("from-config", 13_000_000_000, 5120, 40, 40)
+    recipe = get_recipe("bf16-mixed-adamw").with_reduce_dtype("fp32")
+    path = write_page(tmp_path / "plan.html", model=model, gpus=16, gpu_mem=24.5, gib=True,
+                      recipe=recipe, tokens=4096, seq_len=2048, checkpointing=False,
+                      flash_attention=False, gpu_step=8)
+    s = Session(browser, path)
+    c = dict(gpus=16, mem=24.5, unit="GiB", tokens=4096, seq_len=2048, checkpointing=False,
+             step=8)
+    work = Workload(4096, 2048, False, False)
+    budget = int(24.5 * 2**30)
+    plans = plan_all(model, 16, recipe, work, budget)
+    want = dict(model=model, unit=2**30, recipe=recipe, work=work, budget=budget, gpus=16,
+                plans=plans, fit=first_fit(plans),
+                mins=[min_gpus(model, recipe, x, budget, work, c["step"]) for x in STRATEGIES])
+    check_readout(s.page.evaluate(READ), want)
+    assert s.network == [] and s.errors == []
+    s.context.close()
+    dims = Architecture("custom", 2048, 24, 16, 5632, 32000, kv_heads=4, tied=True)
+    s = Session(browser, write_page(tmp_path / "dims.html", model=dims, recipe="fp32-adamw"))
+    assert s.page.is_checked("#mode-dims")
+    assert s.page.evaluate(READ)["params"] == str(dims.params)
+    s.context.close()
+
+
+def _save(page, name: str, tmp_path: Path) -> Path:
+    path = tmp_path / name
+    page.screenshot(path=str(path), full_page=True)
+    out = os.environ.get("ZEROSHARD_SCREENSHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(out) / name)
+    return path
+
+
+def test_screenshots_wide_and_narrow(browser, tmp_path):
+    """The README's pictures: the default plan at desktop width and at 360 px."""
+    page_file = write_page(tmp_path / "plan.html")
+    for width, name in ((1400, "planner-page.png"), (360, "planner-page-narrow.png")):
+        s = Session(browser, page_file, width)
+        s.page.click("#ex1-check")
+        overflow = s.page.evaluate("() => document.documentElement.scrollWidth")
+        assert overflow <= width, f"the page is {overflow} px wide at {width} px"
+        png = _save(s.page, name, tmp_path)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert s.network == [] and s.errors == []
+        s.context.close()
+
+
+def test_no_network_requests(session):
+    """Runs last in this module: everything the page did was local."""
+    assert session.requests and session.network == []
+    html = Path(session.page.url.removeprefix("file://")).read_text()
+    assert "<script src" not in html and "<link" not in html
+    assert json.loads(session.page.evaluate("() => JSON.stringify(DATA.strategies)")) == list(
+        STRATEGIES)
+    assert set(session.page.evaluate("() => Object.keys(DATA.recipes)")) == set(RECIPES)
+
