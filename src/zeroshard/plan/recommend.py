@@ -94,11 +94,13 @@ class Recommendation:
     """The fastest configuration of each other (stage, tp, checkpointing), fastest first."""
     budget: int = 0
     """GPU memory in bytes; configurations use at most (1 - HEADROOM) of it."""
+    notes: tuple[str, ...] = ()
+    """What zeroshard cannot run but the source documents advise (hybrid sharding)."""
 
     def as_dict(self) -> dict:
         return {"best": self.best.as_dict() if self.best else None, "reasons": self.reasons,
                 "runners_up": [c.as_dict() for c in self.runners_up], "budget": self.budget,
-                "headroom": HEADROOM}
+                "headroom": HEADROOM, "notes": list(self.notes)}
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -224,6 +226,28 @@ def _reasons(best: Candidate, found, need, tps, limit, global_batch, seq_len) ->
     return why
 
 
+def hybrid_note(model, recipe, gpus, cluster, best: Candidate, seq_len: int,
+                limit: int) -> str | None:
+    """When ZeRO-3 spans nodes: the smallest shard group whose ZeRO-3 memory fits (the
+    first source document: shard within a group, replicate across groups, and size the
+    group so that 16P/N_group fits)."""
+    if best.stage != 3 or gpus <= cluster.gpus_per_node:
+        return None
+    dp = gpus // best.tp
+    work = Workload(best.micro_batch * seq_len, seq_len, best.checkpointing)
+    for group in (g for g in range(1, dp + 1) if dp % g == 0):
+        mem = _memory(model, recipe, group * best.tp, best.tp, 3, work, best.blocks_per_unit,
+                      best.prefetch)
+        if mem <= limit:
+            span = group * best.tp
+            where = ("inside one node" if span <= cluster.gpus_per_node else
+                     f"across {-(-span // cluster.gpus_per_node)} nodes")
+            return (f"hybrid sharding (not in zeroshard): ZeRO-3 over groups of {group} ranks "
+                    f"would need {_gb(mem)}, its gathers {where}, replicas all-reducing "
+                    "gradients across groups")
+    return None
+
+
 def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
               global_batch: int, seq_len: int, flash_attention: bool = False,
               tp: int | None = None, prefetch: int | None = None,
@@ -254,5 +278,7 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
     for c in sorted(found, key=lambda c: (c.time.step, c.key)):
         if group(c) != group(best):
             heads.setdefault(group(c), c)
+    note = hybrid_note(model, recipe, gpus, cluster, best, seq_len, limit)
     return Recommendation(best, _reasons(best, found, need, tps, limit, global_batch, seq_len),
-                          tuple(list(heads.values())[:runners_up]), budget)
+                          tuple(list(heads.values())[:runners_up]), budget,
+                          (note,) if note else ())

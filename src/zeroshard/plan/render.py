@@ -163,6 +163,8 @@ def recommendation(model, recipe, args, rec, unit, gib) -> None:
     _console().print(t)
     line(f"predicted step {b.time.step:.3f} s, {b.time.tokens_per_gpu:,.0f} tokens/s per GPU, "
          f"exposed communication {b.time.exposed:.3f} s, {b.memory / unit:.2f} {u} per GPU")
+    for note in rec.notes:
+        line(f"note: {note}")
     r = Table(title="runners-up (fastest first)", title_justify="left")
     for col in ("stage", "TP", "blocks/unit", "prefetch", "ckpt", "micro x accum", f"mem {u}",
                 "step s", "tokens/s/GPU", "exposed s", "vs best"):
