@@ -105,7 +105,8 @@ const Exercises = (() => {
       input.append(new Option("— your prediction —", ""));
       for (const o of options) input.append(new Option(o, o));
     } else {
-      input = Object.assign(document.createElement("input"), { type: "number", min: 1, step: 1 });
+      // Text, not a number field: "never" is a possible answer.
+      input = Object.assign(document.createElement("input"), { type: "text", placeholder: "a GPU count, or never" });
     }
     input.id = id;
     input.dataset.key = key;
