@@ -11,8 +11,10 @@ is installed (``pip install deepspeed``; on CPU it runs with DS_ACCELERATOR=cpu 
 gloo); and a "limit": one process, its local micro-batch, no communication at all.
 
 Reported per implementation: median step time and its spread (interquartile range),
-the ratio of zeroshard's median to each anchor's, peak resident memory growth per rank
-(ru_maxrss), model-state bytes per rank (weights, gradients and optimizer state it
+the ratio of zeroshard's median to each anchor's, peak memory growth per rank — live
+(heap bytes in use, sampled through the warm-up steps; see ``heap.py``) and resident
+(``ru_maxrss``, which also counts what the allocator keeps after frees) —, model-state
+bytes per rank (weights, gradients and optimizer state it
 holds), bytes sent per step in ring accounting, and the loss after the last step.
 """
 
@@ -25,10 +27,14 @@ import resource
 import statistics
 import time
 
+from heap import HeapPeak
+
 ANCHORS = ["ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard"]
 OURS = [f"zeroshard-{s}" for s in range(4)]
 DEEPSPEED = [f"deepspeed-{s}" for s in (1, 2, 3)]
 #: which anchor each zeroshard stage is held against
+#: steps left out of the timing (and the only ones the heap sampler runs in)
+WARMUP = 3
 TARGETS = {"zeroshard-0": ["ddp"], "zeroshard-1": ["ddp+zero"],
            "zeroshard-2": ["fsdp2-noreshard", "deepspeed-2"],
            "zeroshard-3": ["fsdp2-reshard", "deepspeed-3"]}
@@ -66,6 +72,7 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int)
     cfg = get_preset(preset)
     corpus = Corpus.builtin()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    heap = HeapPeak().start()  # sampled through the untimed warm-up steps only
     torch.manual_seed(0)
     model = GPT(cfg)
     P = sum(p.numel() for p in model.parameters())
@@ -118,8 +125,13 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int)
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     if impl == "limit":  # one process standing in for one rank: its local micro-batch
         rows = slice(0, batch // ranks)
-    times, loss, state = [], None, 0
+    times, loss, held = [], None, []
     for step in range(steps):
+        if step == WARMUP:
+            heap.stop()
+        if step == steps - 1 and engine is None:  # between backward and step: all live
+            hook = opt.register_step_pre_hook(
+                lambda o, a, k: held.append(_state(impl, net, model, o)))
         x, y = corpus.batch("train", 0, step, batch, cfg.block_size)
         t0 = time.perf_counter()
         loss = net(x[rows], y[rows])
@@ -129,22 +141,42 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int)
         else:
             loss.backward()
             opt.step()
-            if step == steps - 1:  # what a rank holds between backward and zero_grad
-                state = _state(impl, net, model, opt)
             opt.zero_grad()
         times.append(time.perf_counter() - t0)
+    heap.stop()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    if held:
+        hook.remove()
+    state = held[0] if held else None  # DeepSpeed's flat partitions are not torch-visible
     final = loss.detach().double().reshape(1)
     if world > 1:
         dist.all_reduce(final)
     if impl.startswith("zeroshard"):
         comm = sum(s["bytes"] for s in net.comm_stats().values()) / steps
-    if engine is not None:
-        state = None  # DeepSpeed keeps flat partitions of its own that torch cannot see
-    warm = times[min(3, len(times) - 1):]
+    warm = times[min(WARMUP, len(times) - 1):]
     q = statistics.quantiles(warm, n=4) if len(warm) >= 2 else [warm[0]] * 3
     return {"median": statistics.median(warm), "iqr": q[2] - q[0], "peak": peak,
+            "live": heap.growth,
             "state": state, "comm": comm, "loss": final.item() / world}
+
+
+def _mb(value) -> str:
+    return "    n/a" if value is None else f"{value / 1e6:7.1f}"
+
+
+def _row(impl: str, r: dict) -> str:
+    if "error" in r:
+        return f"{impl:16} failed: {r['error']}"
+    return (f"{impl:16} median {r['median'] * 1e3:7.1f} ms  IQR {r['iqr'] * 1e3:5.1f}  "
+            f"live peak {_mb(r['live'])} MB  resident peak {_mb(r['peak'])} MB  "
+            f"state {_mb(r['state'])} MB  comm {r['comm'] / 1e6:6.2f} MB/step  "
+            f"loss {r['loss']:.6f}")
+
+
+def _ratio(ours: dict, anchor: dict, key: str) -> str:
+    if ours[key] is None or not anchor[key]:
+        return "n/a"
+    return f"{ours[key] / anchor[key]:.2f}x"
 
 
 def main() -> None:
@@ -176,13 +208,7 @@ def main() -> None:
                                   timeout=900)[0]
         except RankFailure as exc:
             results[impl] = {"error": str(exc).splitlines()[-1][:120]}
-        r = results[impl]
-        print(f"{impl:16} " + (f"median {r['median'] * 1e3:8.1f} ms  IQR {r['iqr'] * 1e3:6.1f}  "
-                               f"peak {r['peak'] / 1e6:8.1f} MB  state "
-                               + ("    n/a" if r["state"] is None else f"{r['state'] / 1e6:7.2f}")
-                               + " MB"
-                               f"  comm {r['comm'] / 1e6:7.2f} MB/step  loss {r['loss']:.6f}"
-                               if "error" not in r else f"failed: {r['error']}"), flush=True)
+        print(_row(impl, results[impl]), flush=True)
     print()
     for ours, anchors in TARGETS.items():
         if ours not in results or "error" in results[ours]:
@@ -191,8 +217,9 @@ def main() -> None:
         for anchor in anchors + ["limit"]:
             r = results.get(anchor)
             if r and "error" not in r:
-                line.append(f"{results[ours]['median'] / r['median']:.2f}x {anchor} (peak "
-                            f"{results[ours]['peak'] / max(r['peak'], 1):.2f}x)")
+                line.append(f"{_ratio(results[ours], r, 'median')} {anchor} (live peak "
+                            f"{_ratio(results[ours], r, 'live')}, resident "
+                            f"{_ratio(results[ours], r, 'peak')})")
         print("  ".join(line))
     if a.json:
         with open(a.json, "w") as fh:

@@ -25,3 +25,5 @@ def test_compare_smoke():
                                 "fsdp2-reshard")}
     assert len(same) == 1, losses  # the same function, to the printed digits
     assert "zeroshard-3:" in out and "x fsdp2-reshard" in out
+    live = dict(re.findall(r"^(\S+)\s+median.*live peak\s+([\d.]+) MB", out, re.M))
+    assert set(live) == set(losses) and all(float(v) > 0 for v in live.values()), out
