@@ -271,7 +271,14 @@ class ShardedModel(nn.Module):
             self._unreduced = False
         for u in self._reduce_order:
             u.wait_reduce()
-            u.assign_step_grads()
+        # Which parameters some rank saw: the one host synchronisation of the step (a
+        # parameter no rank used gets no update, as under torch DDP), for all units at once.
+        counted = [u for u in self._reduce_order if u.presence is not None]
+        if counted:
+            present = (torch.cat([u.presence for u in counted]) > 0).tolist()
+            for u in counted:
+                u.assign_step_grads(present[:len(u.trainable)])
+                present = present[len(u.trainable):]
         self._flying = []
         self._finalized = True
 

@@ -240,11 +240,9 @@ class Unit:
             storages.append(buf)
         torch.split_with_sizes_copy(reduced, self.r_layout.split_sizes, dim=1, out=storages)
 
-    def assign_step_grads(self) -> None:
-        """Hand the optimizer this rank's reduced gradients (fp32 for a master copy)."""
-        if self.presence is None:
-            return
-        present = (self.presence > 0).tolist()
+    def assign_step_grads(self, present: list[bool]) -> None:
+        """Hand the optimizer this rank's reduced gradients (fp32 for a master copy);
+        ``present[j]``: some rank saw trainable parameter j this cycle."""
         if self.stage == 0:
             for j, i in enumerate(self.trainable):
                 g = self.params[i].grad
