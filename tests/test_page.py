@@ -192,7 +192,7 @@ def _save(page, name: str, tmp_path: Path) -> Path:
 def test_screenshots_wide_and_narrow(browser, tmp_path):
     """The README's pictures: the default plan at desktop width and at 360 px."""
     page_file = write_page(tmp_path / "plan.html")
-    for width, name in ((1400, "planner-page.png"), (360, "planner-page-narrow.png")):
+    for width, name in ((1600, "planner-page.png"), (360, "planner-page-narrow.png")):
         s = Session(browser, page_file, width)
         s.page.click("#ex1-check")
         overflow = s.page.evaluate("() => document.documentElement.scrollWidth")

@@ -113,11 +113,12 @@ const Charts = (() => {
         el("title", {}, rect, `${p.strategy} ${cat.key}: ${Format.bytes(bytes, s.unit, cat.key === "activations" ? 3 : 2)} ${s.unitName}`);
         if (cat.pattern) el("rect", { x, y: top, width: bw, height: Math.max(0, bottom - top), fill: `url(#pat-${cat.pattern})`, "pointer-events": "none" }, bar);
         const h = bottom - top, cx = x + bw / 2, num = Format.bytes(bytes, s.unit, v < 1 ? 3 : 2);
-        if (h >= 30 && bw >= 44) {
-          el("text", { x: cx, y: top + h / 2 - 2, class: "seg" }, bar, cat.label);
-          el("text", { x: cx, y: top + h / 2 + 11, class: "seg num" }, bar, num);
+        const seg = bw < 56 ? "seg small" : "seg";
+        if (h >= 30 && bw >= 40) {
+          el("text", { x: cx, y: top + h / 2 - 2, class: seg }, bar, cat.label);
+          el("text", { x: cx, y: top + h / 2 + 11, class: seg }, bar, num);
         } else if (h >= 15) {
-          el("text", { x: cx, y: top + h / 2 + 4, class: "seg" }, bar, bw >= 70 ? `${cat.label} ${num}` : cat.label);
+          el("text", { x: cx, y: top + h / 2 + 4, class: seg }, bar, bw >= 70 ? `${cat.label} ${num}` : cat.label);
         }
         base += v;
       }
@@ -149,7 +150,7 @@ const Charts = (() => {
     const height = 340;
     const { svg, width } = frame(container, height, "Total memory per GPU against the GPU count");
     const g = el("g", { id: "sweep-plot" }, svg);
-    const m = { l: 52, r: 92, t: 26, b: 40 };
+    const m = { l: 52, r: 112, t: 26, b: 40 };
     const act = Number(rows[0].plans[0].activations ?? 0n) / s.unit;
     const floors = [1, 2].map((k) => ({
       strategy: Planner.STRATEGIES[k], bytes: Planner.floorBytes(s.model, s.recipe, k),
@@ -167,7 +168,7 @@ const Charts = (() => {
     for (const f of floors) {
       const v = Number(f.bytes) / s.unit + act;
       el("line", { x1: m.l, x2: width - m.r, y1: y(v), y2: y(v), class: "floor", stroke: LINE_COLORS[f.strategy], "data-floor": f.strategy, "data-bytes": f.bytes }, g);
-      el("text", { x: m.l + 4, y: y(v) - 4, class: "floor-label" }, g, `${f.strategy} floor: ${Format.bytes(f.bytes, s.unit)} ${s.unitName}${act ? " + activations" : ""}`);
+      el("text", { x: m.l + 4, y: y(v) - 4, class: "floor-label" }, g, `${f.strategy} floor: ${Format.bytes(f.bytes, s.unit)} ${s.unitName}${act ? (width < 500 ? " + act." : " + activations") : ""}`);
     }
     budgetLine(g, m.l, width - m.r, y(budget), s);
     const ends = [];
