@@ -77,38 +77,63 @@ class Session:
         return [u for u in self.requests if not u.startswith("file://")]
 
 
+_VALUES = """() => Object.fromEntries([...document.querySelectorAll('#controls [id]')]
+  .filter((e) => 'value' in e)
+  .map((e) => [e.id, e.type === 'checkbox' || e.type === 'radio' ? e.checked : e.value]))"""
+
+
 def set_controls(page, c: dict) -> None:
-    """Drive the controls as a person would: radio, selects, typing, checkboxes, keys."""
-    page.check(f"#mode-{c['mode']}")
+    """Drive the controls as a person would: radio, selects, typing, checkboxes, keys.
+    Controls that already hold the wanted value are left alone (it keeps the test fast)."""
+    now = page.evaluate(_VALUES)
+
+    def fill(id_: str, value) -> None:
+        if now.get(id_) != str(value):
+            page.fill(f"#{id_}", str(value))
+
+    def select(id_: str, value) -> None:
+        if now.get(id_) != str(value):
+            page.select_option(f"#{id_}", str(value))
+
+    def tick(id_: str, on: bool) -> None:
+        if now.get(id_) != on:
+            page.set_checked(f"#{id_}", on)
+
+    tick(f"mode-{c['mode']}", True)
     if c["mode"] == "preset":
-        page.select_option("#preset", c["preset"])
+        select("preset", c["preset"])
     elif c["mode"] == "dims":
         for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab"):
-            page.fill(f"#dim-{f.replace('_', '-')}", str(c.get(f) or ""))
-        page.set_checked("#dim-tied", c.get("tied", False))
+            fill(f"dim-{f.replace('_', '-')}", c.get(f) or "")
+        tick("dim-tied", c.get("tied", False))
     else:
-        page.fill("#bare-params", f"{c['params']:,}")
+        fill("bare-params", f"{c['params']:,}")
         for f in ("hidden", "layers", "heads"):
-            page.fill(f"#bare-{f}", str(c.get(f) or ""))
+            fill(f"bare-{f}", c.get(f) or "")
     if c.get("slider"):  # the log slider by keyboard: Home is 1 GPU, each → a quarter octave
         page.focus("#gpus-slider")
         page.keyboard.press("Home")
         for _ in range(c["slider"]):
             page.keyboard.press("ArrowRight")
     else:
-        page.fill("#gpus", str(c["gpus"]))
-    page.select_option("#unit", c["unit"])
+        fill("gpus", c["gpus"])
+    select("unit", c["unit"])
     if c["mem"] in GPU_MEMORY_GB:
-        page.select_option("#gpu-mem", str(c["mem"]))
+        select("gpu-mem", c["mem"])
     else:
-        page.select_option("#gpu-mem", "custom")
+        select("gpu-mem", "custom")
         page.fill("#gpu-mem-custom", str(c["mem"]))
-    page.select_option("#recipe", c["recipe"])
-    page.fill("#tokens", str(c["tokens"]))
-    page.fill("#seq-len", str(c.get("seq_len") or ""))
-    page.set_checked("#checkpointing", c["checkpointing"])
-    page.set_checked("#flash-attention", c.get("flash", False))
-    page.fill("#gpu-step", str(c.get("step") or ""))
+    if c["recipe"] in RECIPES:
+        select("recipe", c["recipe"])
+    else:  # W/G/O bytes per parameter, as --precision accepts them
+        select("recipe", "custom")
+        for key, value in zip("wgo", c["recipe"].split("/")):
+            fill(f"recipe-{key}", value)
+    fill("tokens", c["tokens"])
+    fill("seq-len", c.get("seq_len") or "")
+    tick("checkpointing", c["checkpointing"])
+    tick("flash-attention", c.get("flash", False))
+    fill("gpu-step", c.get("step") or "")
 
 
 #: Everything the readout shows, as exact integers (data-bytes, data-gpus) and text.
@@ -182,9 +207,13 @@ def _configs() -> list[dict]:
              checkpointing=False, step=8),
         dict(mode="params", params=7_000_000_000, hidden=4096, layers=32, gpus=8, mem=40,
              unit="GB", recipe="fp16-mixed-adamw", tokens=2048, checkpointing=False),
+        dict(mode="preset", preset="llama3-8b", gpus=32, mem=24, unit="GB", recipe="4/2/10",
+             tokens=2048, checkpointing=True),
+        dict(mode="preset", preset="gpt2-xl", gpus=2, mem=16, unit="GiB", recipe="2/2/6",
+             tokens=1024, checkpointing=False, step=8),
     ]
     for i, c in enumerate(out):
-        c["id"] = f"{i:02d}-{c.get('preset') or c['mode']}-{c['gpus']}gpu"
+        c["id"] = f"{i:02d}-{c.get('preset') or c['mode']}-{c['gpus']}gpu-{c['recipe']}"
     return out
 
 

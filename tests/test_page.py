@@ -170,6 +170,7 @@ def test_initial_state_from_python(browser, tmp_path):
                 plans=plans, fit=first_fit(plans),
                 mins=[min_gpus(model, recipe, x, budget, work, c["step"]) for x in STRATEGIES])
     check_readout(s.page.evaluate(READ), want)
+    assert s.page.inner_text("#model-summary").startswith("from-config: P = 13,000,000,000")
     assert s.network == [] and s.errors == []
     s.context.close()
     dims = Architecture("custom", 2048, 24, 16, 5632, 32000, kv_heads=4, tied=True)

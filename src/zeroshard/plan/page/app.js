@@ -7,6 +7,7 @@ const App = (() => {
   const $ = (id) => document.getElementById(id);
   const UNITS = { GB: 1e9, GiB: 2 ** 30 };
   const SWEEP = Planner.gpuCounts(null, 1024); // the sweep view: 1, 2, 4, ..., 1024
+  let bareName = "custom"; // a parameter count given by `zeroshard plan --html` keeps its name
 
   function option(select, value, text) {
     const o = document.createElement("option");
@@ -48,10 +49,23 @@ const App = (() => {
         layers: arch.layers, heads: arch.heads };
     }
     return {
-      name: "custom", params: BigInt(integer("bare-params", "parameters P")),
+      name: bareName, params: BigInt(integer("bare-params", "parameters P")),
       hidden: integer("bare-hidden", "hidden", true), layers: integer("bare-layers", "layers", true),
       heads: integer("bare-heads", "heads", true),
     };
+  }
+
+  // recipes.get_recipe("W/G/O"): explicit bytes per parameter. Recipe's properties with
+  // custom_bytes: gradients travel in their stored size, activations in the weights'.
+  function readRecipe() {
+    if ($("recipe").value !== "custom") return DATA.recipes[$("recipe").value];
+    const [w, g, o] = ["w", "g", "o"].map((k) => {
+      const text = $(`recipe-${k}`).value.trim();
+      if (!/^\d+$/.test(text)) throw new Error("custom bytes per parameter must be whole numbers >= 0");
+      return Number(text);
+    });
+    return { name: `custom-${w}/${g}/${o}`, weight_bytes: w, grad_bytes: g, optimizer_bytes: o,
+      master_bytes: 0, reduce_bytes: g, activation_bytes: w, total_bytes: w + g + o };
   }
 
   function readState() {
@@ -69,12 +83,12 @@ const App = (() => {
     return {
       model: readModel(), gpus, mem, unitName, unit: UNITS[unitName],
       budget: BigInt(Math.trunc(mem * UNITS[unitName])), // command.run: int(gpu_mem * unit)
-      recipe: DATA.recipes[$("recipe").value], work, step: integer("gpu-step", "GPU step", true),
+      recipe: readRecipe(), work, step: integer("gpu-step", "GPU step", true),
     };
   }
 
   function cell(row, text, attrs = {}) {
-    const td = document.createElement(row.parentElement?.tagName === "THEAD" ? "th" : "td");
+    const td = document.createElement("td");
     td.textContent = text;
     for (const [k, v] of Object.entries(attrs)) td.setAttribute(k, v == null ? "" : String(v));
     row.append(td);
@@ -144,7 +158,7 @@ const App = (() => {
       ? Planner.whyNoneFits(s.model, s.recipe, s.gpus, s.budget, s.work)
       : `first fit on ${s.gpus} GPUs: ${fit}`;
     const p = plans.find((x) => x.strategy === fit);
-    if (p) el.append(` (${Format.bytes(p.total, s.unit)} of ${Format.general(s.mem)} ${s.unitName} per GPU; sends ${Format.bytes(p.comm, s.unit)} ${s.unitName} per step, ${Format.ratio(p.comm, plans[0].comm)} DDP)`);
+    if (p) el.append(` (${Format.bytes(p.total, s.unit)} of ${Format.general(s.mem)} ${s.unitName} per GPU; sends ${Format.bytes(p.comm, s.unit)} ${s.unitName} per step, ${Format.ratio(p.comm, plans[0].comm)} DDP's bytes)`);
   }
 
   function render() {
@@ -170,6 +184,7 @@ const App = (() => {
     renderSweepTable(s, sweep);
     Charts.bars($("bars"), s, plans, $("zoom").checked);
     Charts.sweep($("sweep"), s, sweep);
+    Exercises.refresh(s);
     App.state = s;
     document.body.dataset.ready = "yes";
   }
@@ -190,6 +205,14 @@ const App = (() => {
     if (!fromSlider) $("gpus-slider").value = String(Math.round(Math.log2(Math.max(1, n)) * 4));
     $("gpus").value = String(n);
     $("gpus-echo").textContent = `= ${n}`;
+    $("gpus-slider").setAttribute("aria-valuetext", `${n} GPUs`);
+  }
+
+  // Custom memory starts from the figure last in use, so switching never shows an error.
+  function showCustomMemory() {
+    const custom = $("gpu-mem").value === "custom";
+    $("gpu-mem-custom-label").hidden = !custom;
+    if (custom && !$("gpu-mem-custom").value && App.state) $("gpu-mem-custom").value = App.state.mem;
   }
 
   function setMemory(gb) {
@@ -206,6 +229,7 @@ const App = (() => {
     $("unit").value = init.unit;
     setMemory(init.gpu_mem);
     $("recipe").value = init.recipe;
+    $("recipe-custom").hidden = init.recipe !== "custom";
     $("tokens").value = init.tokens;
     $("seq-len").value = init.seq_len ?? "";
     $("checkpointing").checked = init.checkpointing;
@@ -218,6 +242,7 @@ const App = (() => {
     $("preset").value = m.preset || "llama2-7b";
     fillDims(m.dims || DATA.presets[$("preset").value]);
     if (m.mode === "params") {
+      bareName = m.name || "custom";
       $("bare-params").value = m.params;
       for (const f of ["hidden", "layers", "heads"]) $(`bare-${f}`).value = m[f] ?? "";
     }
@@ -229,6 +254,7 @@ const App = (() => {
     for (const gb of DATA.gpu_memory_gb) option($("gpu-mem"), gb, String(gb));
     option($("gpu-mem"), "custom", "custom…");
     for (const [name, r] of Object.entries(DATA.recipes)) option($("recipe"), name, `${name} (${r.weight_bytes}/${r.grad_bytes}/${r.optimizer_bytes})`);
+    option($("recipe"), "custom", "custom W/G/O bytes…");
     applyInitial(DATA.initial);
     $("controls").addEventListener("input", (e) => {
       if (e.target.id === "gpus-slider") setGpus(Math.round(2 ** (Number(e.target.value) / 4)), true);
@@ -238,7 +264,9 @@ const App = (() => {
     $("controls").addEventListener("change", (e) => {
       if (e.target.name === "model-mode") showMode();
       if (e.target.id === "preset") fillDims(DATA.presets[e.target.value]);
-      if (e.target.id === "gpu-mem") $("gpu-mem-custom-label").hidden = e.target.value !== "custom";
+      if (e.target.id === "gpu-mem") showCustomMemory();
+      if (e.target.id === "recipe") $("recipe-custom").hidden = e.target.value !== "custom";
+      if (e.target.closest("#model-params")) bareName = "custom";
       render();
     });
     $("zoom").addEventListener("change", render);

@@ -17,8 +17,8 @@ const Exercises = (() => {
   const LIST = [
     {
       title: "1. Which strategy fits first?",
-      prompt: "llama2-7b on 8 GPUs. Which strategy is the first (DDP → ZeRO-3) to fit in 80 per GPU? And in 24?",
-      inputs: [["fit80", "first fit at 80", [...S, "none"]], ["fit24", "first fit at 24", [...S, "none"]]],
+      prompt: "llama2-7b on 8 GPUs. Which strategy is the first (DDP → ZeRO-3) to fit in 80 {u} per GPU? And in 24 {u}?",
+      inputs: [["fit80", "first fit at 80 {u}", [...S, "none"]], ["fit24", "first fit at 24 {u}", [...S, "none"]]],
       setup: { preset: "llama2-7b", gpus: 8, mem: 80 },
       answer(s) {
         const model = preset("llama2-7b");
@@ -36,8 +36,8 @@ const Exercises = (() => {
     },
     {
       title: "2. Where does ZeRO-1 stop shrinking?",
-      prompt: "Your current model under ZeRO-1, from 8 to 256 GPUs. From which GPU count on does doubling N save less than 1 (of your unit) per GPU, and what is left at the floor?",
-      inputs: [["knee", "doubling saves < 1 from", [...DOUBLINGS.map(String), "never"]],
+      prompt: "Your current model under ZeRO-1, from 8 to 256 GPUs. From which GPU count on does doubling N save less than 1 {u} per GPU, and what is left at the floor?",
+      inputs: [["knee", "doubling saves < 1 {u} from", [...DOUBLINGS.map(String), "never"]],
         ["floor", "the floor is", ["weights + grads (+ activations)", "optimizer state (+ activations)", "activations only", "nothing: it keeps shrinking"]]],
       setup: { gpus: 256 },
       answer(s) {
@@ -55,7 +55,7 @@ const Exercises = (() => {
     },
     {
       title: "3. When does a 70B model fit?",
-      prompt: "llama2-70b under ZeRO-3 with 80 per GPU. What is the fewest GPU count that fits (in the search the readout uses)?",
+      prompt: "llama2-70b under ZeRO-3 with 80 {u} per GPU. What is the fewest GPU count that fits (in the search the readout uses)?",
       inputs: [["gpus", "fewest GPUs", null]],
       setup: { preset: "llama2-70b", mem: 80, gpus: 16 },
       answer(s) {
@@ -98,7 +98,8 @@ const Exercises = (() => {
     const id = `ex${n}-${key}`;
     const lab = document.createElement("label");
     lab.htmlFor = id;
-    lab.textContent = `${label} `;
+    lab.append(Object.assign(document.createElement("span"), { textContent: label }), " ");
+    lab.firstChild.dataset.template = label;
     let input;
     if (options) {
       input = document.createElement("select");
@@ -163,7 +164,7 @@ const Exercises = (() => {
         <div class="buttons"><button type="button" class="check">check</button>
         <button type="button" class="show">show it above</button></div><output aria-live="polite"></output>`;
       article.querySelector("h3").textContent = ex.title;
-      article.querySelector(".prompt").textContent = ex.prompt;
+      article.querySelector(".prompt").dataset.template = ex.prompt;
       ex.inputs.forEach((spec) => field(article.querySelector(".predict"), spec, n));
       article.querySelector(".check").id = `ex${n}-check`;
       article.querySelector(".check").addEventListener("click", () => check(ex, article));
@@ -172,5 +173,12 @@ const Exercises = (() => {
     });
   }
 
-  return { init, LIST };
+  // Prompts and labels name the unit chosen above ({u} in their templates).
+  function refresh(s) {
+    for (const node of document.querySelectorAll("#exercise-list [data-template]")) {
+      node.textContent = node.dataset.template.replaceAll("{u}", s.unitName);
+    }
+  }
+
+  return { init, refresh, LIST };
 })();
