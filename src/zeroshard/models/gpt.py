@@ -134,6 +134,7 @@ class GPT(nn.Module):
         for _ in range(new_tokens):
             logits = forward(idx[:, -self.config.block_size:])[:, -1, :].float()
             probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
+            # sampled on the host, where the generator lives: the same tokens on any device
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator)
             idx = torch.cat([idx, nxt.to(idx.device)], dim=1)
         return idx

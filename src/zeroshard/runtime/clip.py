@@ -32,7 +32,8 @@ def clip_grad_norm(units, comm, stage: int, max_norm: float,
                 c = -(-rows // n)
                 g = g.reshape(rows, -1)[r * c:(r + 1) * c]
             parts.append(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
-    local = torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64)
+    local = (torch.stack(parts) if parts else
+             torch.zeros(1, dtype=torch.float64, device=units[0].device))
     if norm_type == float("inf"):
         total = local.max()
         comm.all_reduce(total, op=dist.ReduceOp.MAX)

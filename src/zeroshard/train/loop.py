@@ -15,7 +15,7 @@ from ..checkpoint import load, load_pretrained, save
 from ..data import Corpus, decode
 from ..models.gpt import GPT, get_preset
 from ..runtime.config import ZeroConfig
-from ..runtime.dist import init_distributed
+from ..runtime.dist import default_device, init_distributed
 from ..runtime.sharded import shard
 from . import report
 from .config import TrainConfig
@@ -47,12 +47,13 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, split: str, rank: int, wor
     """Mean loss over ``eval_batches`` fixed global batches of ``split``."""
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64)
+    device = default_device()
+    total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for k in range(cfg.eval_batches):
             x, y = corpus.batch(split, cfg.seed + 7919, k, cfg.batch, seq_len)
             rows = slice(rank * cfg.batch // world, (rank + 1) * cfg.batch // world)
-            total += model(x[rows], y[rows]).double()
+            total += model(x[rows].to(device), y[rows].to(device)).double()
     model.train(was_training)
     return _global_mean(total / cfg.eval_batches, world)
 
@@ -60,6 +61,7 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, split: str, rank: int, wor
 def train(cfg: TrainConfig) -> dict:
     """Run the whole job on this rank; rank 0 prints. Returns the losses (for tests)."""
     rank, world = init_distributed()
+    device = default_device()  # batches are made on the host, the same on every rank
     micro, accum = cfg.accumulation(world)
     gpt_cfg = get_preset(cfg.model)
     seq_len = gpt_cfg.block_size
@@ -103,10 +105,10 @@ def train(cfg: TrainConfig) -> dict:
             t0 = time.perf_counter()
             x, y = corpus.batch("train", cfg.seed, step, cfg.batch, seq_len)
             base = rank * cfg.batch // world
-            step_loss = torch.zeros(())
+            step_loss = torch.zeros((), device=device)
             for m in range(accum):
                 rows = slice(base + m * micro, base + (m + 1) * micro)
-                loss = model(x[rows], y[rows]) / accum
+                loss = model(x[rows].to(device), y[rows].to(device)) / accum
                 loss.backward()
                 step_loss += loss.detach().float()
             norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else None
@@ -150,7 +152,7 @@ def train(cfg: TrainConfig) -> dict:
     dist.all_gather_object(memories, model.memory(optimizer))
     out.summary(memories, comm, model.config.recipe)
     if cfg.sample_chars:
-        prompt = torch.tensor([list(b"The ")])
+        prompt = torch.tensor([list(b"The ")], device=device)
         g = torch.Generator().manual_seed(cfg.seed)
         model.eval()
         text = GPT.generate(model.module, prompt, cfg.sample_chars, generator=g, forward=model)
