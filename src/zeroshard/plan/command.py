@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tied", action="store_true", help="the output head shares the embedding")
 
     h = p.add_argument_group("hardware and recipe")
-    h.add_argument("--gpus", type=int, default=8, help="GPUs N (default 8); ZeRO shards over N / --tp of them")
+    h.add_argument("--gpus", type=int, default=8,
+                   help="GPUs N (default 8); ZeRO shards over N / --tp of them")
     h.add_argument("--gpu-mem", type=float, default=80.0,
                    help="memory per GPU in GB (GiB with --gib); default 80")
     h.add_argument("--gib", action="store_true", help="every figure in GiB instead of GB")

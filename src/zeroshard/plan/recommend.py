@@ -235,7 +235,7 @@ def hybrid_note(model, recipe, gpus, cluster, best: Candidate, seq_len: int,
         return None
     dp = gpus // best.tp
     work = Workload(best.micro_batch * seq_len, seq_len, best.checkpointing)
-    for group in (g for g in range(1, dp + 1) if dp % g == 0):
+    for group in (g for g in range(1, dp) if dp % g == 0):  # a proper subgroup
         mem = _memory(model, recipe, group * best.tp, best.tp, 3, work, best.blocks_per_unit,
                       best.prefetch)
         if mem <= limit:
