@@ -144,6 +144,20 @@ def test_architecture_port_counts_every_preset(session):
     assert counts == {name: str(a.params) for name, a in PRESETS.items()}
 
 
+def test_controls_are_labelled_and_reachable_by_keyboard(session):
+    """Real form elements, each with a label; Tab walks into them from the top."""
+    unlabelled = session.page.evaluate(
+        "() => [...document.querySelectorAll('input, select')]"
+        ".filter((e) => !e.labels.length && !e.getAttribute('aria-label'))"
+        ".map((e) => e.id)")
+    assert unlabelled == []
+    page = session.page
+    page.click("h1")  # Tab navigation starts from the heading
+    page.keyboard.press("Tab")
+    first = page.evaluate("() => document.activeElement.id")
+    assert first.startswith("mode-")  # the model radios come first
+
+
 def test_bad_input_is_reported_not_thrown(session):
     page = session.page
     page.fill("#tokens", "0")

@@ -28,7 +28,7 @@ from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
 GPU_MEMORY_GB = (24, 40, 48, 80, 141)
 
 #: Scripts inlined in this order: data first, the planner port, then what draws it.
-SCRIPTS = ("format.js", "planner.js", "charts.js", "exercises.js", "app.js")
+SCRIPTS = ("format.js", "planner.js", "readout.js", "charts.js", "exercises.js", "app.js")
 
 DEFAULT_MODEL = "llama2-7b"
 

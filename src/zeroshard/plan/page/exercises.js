@@ -6,56 +6,71 @@
 
 const Exercises = (() => {
   const S = Planner.STRATEGIES;
+  const CHANGE = ["grows", "shrinks", "stays the same"];
+  const DOUBLINGS = [8, 16, 32, 64, 128, 256];
+  const FLOORS = ["weights + grads (+ activations)", "optimizer state (+ activations)",
+    "activations only", "nothing: it keeps shrinking"];
+
   const preset = (name) => {
     const p = DATA.presets[name];
     return { name, params: BigInt(p.params), hidden: p.hidden, layers: p.layers, heads: p.heads };
   };
   const budgetOf = (s, amount) => BigInt(Math.trunc(amount * s.unit)); // as command.run does
   const gb = (s, bytes) => `${Format.bytes(bytes, s.unit)} ${s.unitName}`;
-  const DOUBLINGS = [8, 16, 32, 64, 128, 256];
+  const change = (a, b) => (b > a ? "grows" : b < a ? "shrinks" : "stays the same");
 
+  // Each exercise: a prompt and prediction inputs ({u} is the unit chosen above), the
+  // settings "show it" moves the controls to, and the answer computed from a state.
   const LIST = [
     {
       title: "1. Which strategy fits first?",
-      prompt: "llama2-7b on 8 GPUs. Which strategy is the first (DDP → ZeRO-3) to fit in 80 {u} per GPU? And in 24 {u}?",
-      inputs: [["fit80", "first fit at 80 {u}", [...S, "none"]], ["fit24", "first fit at 24 {u}", [...S, "none"]]],
+      prompt: "llama2-7b on 8 GPUs. Which strategy is the first (DDP → ZeRO-3) to fit in "
+        + "80 {u} per GPU? And in 24 {u}?",
+      inputs: [["fit80", "first fit at 80 {u}", [...S, "none"]],
+        ["fit24", "first fit at 24 {u}", [...S, "none"]]],
       setup: { preset: "llama2-7b", gpus: 8, mem: 80 },
       answer(s) {
         const model = preset("llama2-7b");
         const at = (mem) => Planner.planAll(model, 8, s.recipe, s.work, budgetOf(s, mem));
         const p80 = at(80), p24 = at(24);
         return {
-          values: { fit80: Planner.firstFit(p80) ?? "none", fit24: Planner.firstFit(p24) ?? "none" },
+          values: {
+            fit80: Planner.firstFit(p80) ?? "none", fit24: Planner.firstFit(p24) ?? "none",
+          },
           bytes: p80.map((p) => String(p.total)),
           text: `Per GPU: ${p80.map((p) => `${p.strategy} ${gb(s, p.total)}`).join(", ")}.`,
           why: "Each stage divides one more category by N, and the optimizer state, the largest "
-            + "(12 of the 16 bytes per parameter under mixed-precision AdamW), goes first; a small "
-            + "card also needs the weights divided.",
+            + "(12 of the 16 bytes per parameter under mixed-precision AdamW), goes first; a "
+            + "small card also needs the weights divided.",
         };
       },
     },
     {
       title: "2. Where does ZeRO-1 stop shrinking?",
-      prompt: "Your current model under ZeRO-1, from 8 to 256 GPUs. From which GPU count on does doubling N save less than 1 {u} per GPU, and what is left at the floor?",
+      prompt: "Your current model under ZeRO-1, from 8 to 256 GPUs. From which GPU count on "
+        + "does doubling N save less than 1 {u} per GPU, and what is left at the floor?",
       inputs: [["knee", "doubling saves < 1 {u} from", [...DOUBLINGS.map(String), "never"]],
-        ["floor", "the floor is", ["weights + grads (+ activations)", "optimizer state (+ activations)", "activations only", "nothing: it keeps shrinking"]]],
+        ["floor", "the floor is", FLOORS]],
       setup: { gpus: 256 },
       answer(s) {
-        const total = (n) => Planner.planStrategy(s.model, n, s.recipe, "ZeRO-1", s.work, s.budget).total;
+        const total = (n) => Planner.planStrategy(s.model, n, s.recipe, "ZeRO-1", s.work).total;
         const knee = DOUBLINGS.find((n) => total(n) - total(2 * n) < budgetOf(s, 1));
         const floor = Planner.floorBytes(s.model, s.recipe, "ZeRO-1");
         return {
-          values: { knee: knee == null ? "never" : String(knee), floor: "weights + grads (+ activations)" },
+          values: { knee: knee == null ? "never" : String(knee), floor: FLOORS[0] },
           bytes: [String(total(8)), String(total(256)), String(floor)],
-          text: `ZeRO-1 per GPU: ${gb(s, total(8))} at 8 GPUs, ${gb(s, total(256))} at 256; the floor is weights + grads = ${gb(s, floor)}, plus activations.`,
-          why: "ZeRO-1 divides only the optimizer state, so each doubling saves half of what is left "
-            + "of it, while every GPU keeps whole weights and gradients and its own activations.",
+          text: `ZeRO-1 per GPU: ${gb(s, total(8))} at 8 GPUs, ${gb(s, total(256))} at 256; `
+            + `the floor is weights + grads = ${gb(s, floor)}, plus activations.`,
+          why: "ZeRO-1 divides only the optimizer state, so each doubling saves half of what is "
+            + "left of it, while every GPU keeps whole weights and gradients and its own "
+            + "activations.",
         };
       },
     },
     {
       title: "3. When does a 70B model fit?",
-      prompt: "llama2-70b under ZeRO-3 with 80 {u} per GPU. What is the fewest GPU count that fits (in the search the readout uses)?",
+      prompt: "llama2-70b under ZeRO-3 with 80 {u} per GPU. What is the fewest GPU count that "
+        + "fits (in the search the readout uses)?",
       inputs: [["gpus", "fewest GPUs", null]],
       setup: { preset: "llama2-70b", mem: 80, gpus: 16 },
       answer(s) {
@@ -65,110 +80,110 @@ const Exercises = (() => {
         return {
           values: { gpus: need.gpus == null ? "never" : String(need.gpus) },
           bytes: [String(need.total ?? ""), String(z1)],
-          text: need.gpus == null ? "ZeRO-3 never fits: the activations alone exceed the budget."
-            : `ZeRO-3 fits from ${need.gpus} GPUs, at ${gb(s, need.total)} per GPU; ZeRO-1's floor is ${gb(s, z1)}.`,
-          why: "ZeRO-3 divides all of the model state by N, so only the unsharded activations stay "
-            + "fixed; ZeRO-1 and ZeRO-2 keep replicated categories whose floor alone can exceed a card.",
+          text: need.gpus == null
+            ? "ZeRO-3 never fits: the activations alone exceed the budget."
+            : `ZeRO-3 fits from ${need.gpus} GPUs, at ${gb(s, need.total)} per GPU; `
+              + `ZeRO-1's floor is ${gb(s, z1)}.`,
+          why: "ZeRO-3 divides all of the model state by N, so only the unsharded activations "
+            + "stay fixed; ZeRO-1 and ZeRO-2 keep replicated categories whose floor alone can "
+            + "exceed a card.",
         };
       },
     },
     {
       title: "4. fp32 instead of mixed precision",
-      prompt: "Your current model on your GPU count under DDP: switch from bf16-mixed-adamw to fp32-adamw. Does the optimizer segment grow or shrink? And the total per GPU?",
-      inputs: [["optimizer", "optimizer segment", ["grows", "shrinks", "stays the same"]],
-        ["total", "total per GPU", ["grows", "shrinks", "stays the same"]]],
+      prompt: "Your current model on your GPU count under DDP: switch from bf16-mixed-adamw to "
+        + "fp32-adamw. Does the optimizer segment grow or shrink? And the total per GPU?",
+      inputs: [["optimizer", "optimizer segment", CHANGE], ["total", "total per GPU", CHANGE]],
       setup: { recipe: "fp32-adamw" },
       answer(s) {
-        const at = (r) => Planner.planStrategy(s.model, s.gpus, DATA.recipes[r], "DDP", s.work, s.budget);
+        const at = (r) => Planner.planStrategy(s.model, s.gpus, DATA.recipes[r], "DDP", s.work);
         const a = at("bf16-mixed-adamw"), b = at("fp32-adamw");
-        const cmp = (x, y) => (y > x ? "grows" : y < x ? "shrinks" : "stays the same");
         return {
-          values: { optimizer: cmp(a.optimizer, b.optimizer), total: cmp(a.total, b.total) },
+          values: { optimizer: change(a.optimizer, b.optimizer), total: change(a.total, b.total) },
           bytes: [a.optimizer, b.optimizer, a.total, b.total].map(String),
-          text: `Optimizer ${gb(s, a.optimizer)} → ${gb(s, b.optimizer)}; total ${gb(s, a.total)} → ${gb(s, b.total)}.`,
-          why: "In fp32 the weights are themselves the master copy, so the optimizer keeps only m and v "
-            + "(8 bytes, not 12), but weights and gradients double to 4 bytes each: the state stays "
-            + "16 bytes per parameter and the activations, now fp32, double.",
+          text: `Optimizer ${gb(s, a.optimizer)} → ${gb(s, b.optimizer)}; `
+            + `total ${gb(s, a.total)} → ${gb(s, b.total)}.`,
+          why: "In fp32 the weights are themselves the master copy, so the optimizer keeps only "
+            + "m and v (8 bytes, not 12), but weights and gradients double to 4 bytes each: the "
+            + "state stays 16 bytes per parameter and the activations, now fp32, double.",
         };
       },
     },
   ];
 
-  function field(article, [key, label, options], n) {
-    const id = `ex${n}-${key}`;
-    const lab = document.createElement("label");
-    lab.htmlFor = id;
-    lab.append(Object.assign(document.createElement("span"), { textContent: label }), " ");
-    lab.firstChild.dataset.template = label;
+  const make = (tag, props = {}) => Object.assign(document.createElement(tag), props);
+
+  // A labelled prediction input: a select of the choices, or text ("never" may be right).
+  function field(parent, [key, label, options], n) {
+    const lab = make("label", { htmlFor: `ex${n}-${key}` });
+    const text = make("span");
+    text.dataset.template = label;
     let input;
     if (options) {
-      input = document.createElement("select");
+      input = make("select");
       input.append(new Option("— your prediction —", ""));
       for (const o of options) input.append(new Option(o, o));
     } else {
-      // Text, not a number field: "never" is a possible answer.
-      input = Object.assign(document.createElement("input"), { type: "text", placeholder: "a GPU count, or never" });
+      input = make("input", { type: "text", placeholder: "a GPU count, or never" });
     }
-    input.id = id;
+    input.id = `ex${n}-${key}`;
     input.dataset.key = key;
-    lab.append(input);
-    article.append(lab);
+    lab.append(text, " ", input);
+    parent.append(lab);
   }
 
   function check(ex, article) {
     const s = App.state;
     if (!s) return;
     const a = ex.answer(s);
-    const out = article.querySelector("output");
     const marks = Object.entries(a.values).map(([key, value]) => {
       const guess = article.querySelector(`[data-key="${key}"]`).value.trim();
       return guess === value ? `✓ ${value}` : `✗ ${guess || "no prediction"}; answer: ${value}`;
     });
+    const out = article.querySelector("output");
     out.dataset.answer = JSON.stringify({ values: a.values, bytes: a.bytes });
-    out.replaceChildren();
-    const result = document.createElement("p");
-    result.className = "marks";
-    result.textContent = marks.join(" · ");
-    const detail = Object.assign(document.createElement("p"), { textContent: a.text });
-    const why = Object.assign(document.createElement("p"), { className: "why", textContent: `Why: ${a.why}` });
-    out.append(result, detail, why);
+    out.replaceChildren(
+      make("p", { className: "marks", textContent: marks.join(" · ") }),
+      make("p", { textContent: a.text }),
+      make("p", { className: "why", textContent: `Why: ${a.why}` }));
   }
 
-  // "Show it": move the controls to the exercise's settings so the views show it.
+  // "Show it": move the controls to the exercise's settings; everything else stays.
   function show(ex) {
-    const init = snapshot();
-    if (ex.setup.preset) init.model = { mode: "preset", preset: ex.setup.preset };
-    for (const k of ["gpus", "recipe"]) if (ex.setup[k]) init[k] = ex.setup[k];
-    if (ex.setup.mem) init.gpu_mem = ex.setup.mem;
-    App.applyInitial(init);
+    const s = App.state;
+    const state = {
+      model: ex.setup.preset ? { mode: "preset", preset: ex.setup.preset } : null,
+      gpus: ex.setup.gpus ?? s.gpus, gpu_mem: ex.setup.mem ?? s.mem, unit: s.unitName,
+      recipe: ex.setup.recipe ?? document.getElementById("recipe").value,
+      tokens: s.work.tokens, seq_len: s.work.seq_len, checkpointing: s.work.checkpointing,
+      flash_attention: s.work.flash_attention, gpu_step: s.step,
+    };
+    App.applyInitial(state);
     App.render();
     document.getElementById("bars").scrollIntoView({ behavior: "smooth", block: "center" });
-  }
-
-  // The current controls in DATA.initial's shape, so "show it" changes only what it must.
-  function snapshot() {
-    const s = App.state;
-    return { unit: s.unitName, tokens: s.work.tokens, seq_len: s.work.seq_len,
-      checkpointing: s.work.checkpointing, flash_attention: s.work.flash_attention,
-      gpu_step: s.step, recipe: document.getElementById("recipe").value, gpus: s.gpus,
-      gpu_mem: s.mem, model: null };
   }
 
   function init(container) {
     LIST.forEach((ex, i) => {
       const n = i + 1;
-      const article = document.createElement("article");
-      article.className = "exercise";
+      const article = make("article", { className: "exercise" });
       article.dataset.exercise = n;
-      article.innerHTML = `<h3></h3><p class="prompt"></p><div class="predict"></div>
-        <div class="buttons"><button type="button" class="check">check</button>
-        <button type="button" class="show">show it above</button></div><output aria-live="polite"></output>`;
-      article.querySelector("h3").textContent = ex.title;
-      article.querySelector(".prompt").dataset.template = ex.prompt;
-      ex.inputs.forEach((spec) => field(article.querySelector(".predict"), spec, n));
-      article.querySelector(".check").id = `ex${n}-check`;
-      article.querySelector(".check").addEventListener("click", () => check(ex, article));
-      article.querySelector(".show").addEventListener("click", () => show(ex));
+      const prompt = make("p", { className: "prompt" });
+      prompt.dataset.template = ex.prompt;
+      const predict = make("div", { className: "predict" });
+      ex.inputs.forEach((spec) => field(predict, spec, n));
+      const checkButton = make("button", { type: "button", className: "check", id: `ex${n}-check`,
+        textContent: "check" });
+      const showButton = make("button", { type: "button", className: "show",
+        textContent: "show it above" });
+      checkButton.addEventListener("click", () => check(ex, article));
+      showButton.addEventListener("click", () => show(ex));
+      const buttons = make("div", { className: "buttons" });
+      buttons.append(checkButton, showButton);
+      const out = make("output");
+      out.setAttribute("aria-live", "polite");
+      article.append(make("h3", { textContent: ex.title }), prompt, predict, buttons, out);
       container.append(article);
     });
   }
@@ -180,5 +195,5 @@ const Exercises = (() => {
     }
   }
 
-  return { init, refresh, LIST };
+  return { init, refresh };
 })();

@@ -130,7 +130,9 @@ const Planner = (() => {
     const floor = floorBytes(model, recipe, strategy);
     const counts = gpuCounts(step);
     const total = (i) => planStrategy(model, counts[i], recipe, strategy, work, budget).total;
-    if (total(counts.length - 1) > budget) return { strategy: name, gpus: null, total: null, floor };
+    if (total(counts.length - 1) > budget) {
+      return { strategy: name, gpus: null, total: null, floor };
+    }
     let lo = 0, hi = counts.length - 1;
     while (lo < hi) {
       const mid = (lo + hi) >> 1;
@@ -155,7 +157,8 @@ Planner.whyNoneFits = function whyNoneFits(model, recipe, gpus, budget, work) {
   const need = Planner.minGpus(model, recipe, "ZeRO-3", budget, work);
   if (need.gpus == null) {
     return "nothing fits: even ZeRO-3 tends to its activations alone, which are above the "
-      + `budget of ${Format.count(budget)} bytes; shorten the micro-batch or checkpoint activations`;
+      + `budget of ${Format.count(budget)} bytes; `
+      + "shorten the micro-batch or checkpoint activations";
   }
   return `nothing fits on ${gpus} GPUs; ZeRO-3 fits from ${need.gpus} GPUs`;
 };
