@@ -32,6 +32,7 @@ from zeroshard.plan import (
 from zeroshard.plan.page import write_page
 from zeroshard.plan.render import _fmt
 
+from . import page_browser
 from .page_browser import (
     CONFIGS,
     READ,
@@ -192,6 +193,25 @@ def test_initial_state_from_python(browser, tmp_path):
     assert s.page.is_checked("#mode-dims")
     assert s.page.evaluate(READ)["params"] == str(dims.params)
     s.context.close()
+
+
+@pytest.mark.parametrize("state,message", [
+    (dict(gpus=2048), "runs from 1 to 1,024"), (dict(tp=2), "data parallelism alone"),
+    (dict(model="nope"), "unknown model 'nope'"), (dict(tokens=0), "must be a positive"),
+])
+def test_write_page_refuses_a_state_it_cannot_show(tmp_path, state, message):
+    with pytest.raises(ValueError, match=message):
+        write_page(tmp_path / "plan.html", **state)
+
+
+def test_missing_browser_skips_unless_required(monkeypatch):
+    monkeypatch.setattr(page_browser, "CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.delenv("ZEROSHARD_REQUIRE_BROWSER", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="is missing"):
+        need_browser()
+    monkeypatch.setenv("ZEROSHARD_REQUIRE_BROWSER", "1")
+    with pytest.raises(pytest.fail.Exception, match="ZEROSHARD_REQUIRE_BROWSER=1 but"):
+        need_browser()
 
 
 def _save(page, name: str, tmp_path: Path) -> Path:

@@ -92,9 +92,12 @@ def _model_state(model: ModelSpec | Architecture | str | None) -> dict:
 def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = False,
               recipe: str | Recipe = DEFAULT_RECIPE, tokens: int = 2048,
               seq_len: int | None = None, checkpointing: bool = True,
-              flash_attention: bool = False, gpu_step: int | None = None) -> dict:
+              flash_attention: bool = False, gpu_step: int | None = None,
+              tp: int = 1) -> dict:
     """Everything the page's scripts read: the planner's definitions and the initial
     state of the controls (the same meaning as ``zeroshard plan``'s flags)."""
+    if tp != 1:
+        raise ValueError(f"tp={tp}: the page plans data parallelism alone (tp = 1)")
     if not isinstance(gpus, int) or not 1 <= gpus <= 1024:
         raise ValueError(f"gpus={gpus!r}: the page's GPU count runs from 1 to 1,024")
     if gpu_mem <= 0:
@@ -144,7 +147,8 @@ def write_page(path: str | Path, **state) -> Path:
     :class:`Architecture` or a :class:`ModelSpec`), ``gpus``, ``gpu_mem`` (GB, or GiB
     with ``gib=True``), ``recipe`` (a name, ``W/G/O`` or a :class:`Recipe`), ``tokens``,
     ``seq_len``, ``checkpointing``, ``flash_attention`` and ``gpu_step`` (None: the
-    fewest-GPU search tries powers of two).
+    fewest-GPU search tries powers of two). ``tp`` must be 1: the page has no tensor
+    parallelism.
 
     The only address in the page is the SVG namespace's name, which is never fetched:
 

@@ -2,6 +2,7 @@
 // src/zeroshard/plan/memory.py, advice.py and arch.py (Architecture.params).
 // Every byte count is a BigInt, so each figure is the same exact integer Python
 // computes; numbers become floating point only for drawing and formatting.
+// The page plans data parallelism alone: the Python functions with tp = 1.
 // The constants (strategies, presets, recipes, the search limit) are not repeated
 // here: page.py dumps them from the Python definitions into DATA.
 "use strict";
