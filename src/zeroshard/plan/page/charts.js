@@ -200,6 +200,10 @@ const Charts = (() => {
         `${f.name} floor ${Format.bytes(f.bytes, s.unit)} ${s.unitName}${act ? " + activ." : ""}`);
     }
     budgetLine(g, m.l, width - m.r, y(budget), s);
+    // The GPU count chosen above, so the bars can be found on the curves.
+    const xn = x(s.gpus);
+    el("line", { x1: xn, x2: xn, y1: m.t, y2: height - m.b, class: "current" }, g);
+    el("text", { x: xn + 4, y: m.t + 24, class: "current-label" }, g, `N = ${s.gpus}`);
     const ends = Planner.STRATEGIES.map((name, k) => {
       const pts = rows.map((r) => [x(r.gpus), y(Number(r.plans[k].total) / s.unit)]);
       el("polyline", { points: pts.map((p) => p.join(",")).join(" "), class: "line",
