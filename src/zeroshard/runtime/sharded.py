@@ -221,14 +221,16 @@ class ShardedModel(nn.Module):
             self._bucket_flush()
 
     def _bucket_flush(self) -> None:
-        """Issue the pending bucket. At most two reductions stay in flight: the oldest is
-        landed (its communication buffer freed) before a third starts, so the buffers
-        never add up to another copy of the gradients."""
+        """Issue the pending bucket. At stages 1–3 at most two reductions stay in flight:
+        the oldest is landed (its communication buffer freed) before a third starts, so
+        the buffers never add up to another copy of the gradients. Stage 0 needs no bound:
+        its local gradients are freed as their buffer is filled and the buffer is freed
+        as the average lands, so the buffers in flight hold what the gradients would."""
         if self._bucket:
             issue_reduce(self._bucket, free_full=self.stage != 1)
             self._flying.append(self._bucket)
             self._bucket = []
-            while len(self._flying) > 2:
+            while self.stage > 0 and len(self._flying) > 2:
                 for u in self._flying.pop(0):
                     u.wait_reduce()
 
