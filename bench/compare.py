@@ -10,12 +10,13 @@ per block with ``reshard_after_forward`` True and False; DeepSpeed stages 1-3 wh
 is installed (``pip install deepspeed``; on CPU it runs with DS_ACCELERATOR=cpu over
 gloo); and a "limit": one process, its local micro-batch, no communication at all.
 
-Reported per implementation: median step time and its spread (interquartile range),
-the ratio of zeroshard's median to each anchor's, peak memory growth per rank — live
-(heap bytes in use, sampled through the warm-up steps; see ``heap.py``) and resident
-(``ru_maxrss``, which also counts what the allocator keeps after frees) —, model-state
-bytes per rank (weights, gradients and optimizer state it
-holds), bytes sent per step in ring accounting, and the loss after the last step.
+Each implementation runs ``--rounds`` times (default 2), round-robin, and its timed steps
+are pooled. Reported per implementation: median step time and its spread (interquartile
+range), the ratio of zeroshard's median to each anchor's, peak memory growth per rank —
+live (heap bytes in use, sampled through the warm-up steps; see ``heap.py``) and
+resident (``ru_maxrss``, which also counts what the allocator keeps after frees) —,
+model-state bytes per rank (weights, gradients and optimizer state it holds), bytes sent
+per step in ring accounting, and the loss after the last step.
 """
 
 from __future__ import annotations
@@ -156,8 +157,24 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int)
     warm = times[min(WARMUP, len(times) - 1):]
     q = statistics.quantiles(warm, n=4) if len(warm) >= 2 else [warm[0]] * 3
     return {"median": statistics.median(warm), "iqr": q[2] - q[0], "peak": peak,
-            "live": heap.growth,
-            "state": state, "comm": comm, "loss": final.item() / world}
+            "live": heap.growth, "state": state, "comm": comm, "loss": final.item() / world,
+            "times": warm}
+
+
+def _combine(runs: list[dict]) -> dict:
+    """One row from the rounds of one implementation: median and IQR of every timed step
+    of every round, the largest peaks; the loss must not depend on the round."""
+    if any("error" in r for r in runs):
+        return next(r for r in runs if "error" in r)
+    times = [t for r in runs for t in r["times"]]
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    losses = {r["loss"] for r in runs}
+    if len(losses) > 1:
+        return {"error": f"the loss differs between rounds: {sorted(losses)}"}
+    peaks = {k: (None if runs[0][k] is None else max(r[k] for r in runs))
+             for k in ("peak", "live")}
+    return {**runs[0], **peaks, "median": statistics.median(times), "iqr": q[2] - q[0],
+            "times": times}
 
 
 def _mb(value) -> str:
@@ -189,8 +206,13 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--impl", help="comma-separated subset (default: all available)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of every implementation, interleaved; the timed steps of all "
+                        "rounds are pooled (default 2)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
+    if a.rounds < 1:
+        p.error(f"--rounds={a.rounds} must be at least 1")
     try:
         import deepspeed  # noqa: F401
 
@@ -200,15 +222,24 @@ def main() -> None:
     impls = (a.impl.split(",") if a.impl else
              OURS + ANCHORS + (DEEPSPEED if have_ds else []) + ["limit"])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    results = {}
-    for impl in impls:
-        n = 1 if impl == "limit" else a.nproc
-        try:
-            results[impl] = spawn(_rank, n, impl, a.preset, a.steps, a.batch, a.lr, a.nproc,
-                                  timeout=900)[0]
-        except RankFailure as exc:
-            results[impl] = {"error": str(exc).splitlines()[-1][:120]}
-        print(_row(impl, results[impl]), flush=True)
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+    # Round-robin: every implementation once per round, so a slow spell of the machine
+    # falls on all of them rather than on whichever happened to run then.
+    for k in range(a.rounds):
+        for impl in impls:
+            n = 1 if impl == "limit" else a.nproc
+            try:
+                r = spawn(_rank, n, impl, a.preset, a.steps, a.batch, a.lr, a.nproc,
+                          timeout=900)[0]
+            except RankFailure as exc:
+                r = {"error": str(exc).splitlines()[-1][:120]}
+            runs[impl].append(r)
+            if a.rounds > 1:
+                print(f"round {k + 1}/{a.rounds}  {_row(impl, r)}", flush=True)
+    results = {impl: _combine(rs) for impl, rs in runs.items()}
+    print()
+    for impl, r in results.items():
+        print(_row(impl, r))
     print()
     for ours, anchors in TARGETS.items():
         if ours not in results or "error" in results[ours]:
