@@ -1,6 +1,7 @@
 """The step-time model against measured step times on this machine's CPU.
 
-    python bench/steptime.py                # GPT medium, N = 2 gloo ranks, 12 steps each
+    python bench/steptime.py --json docs/steptime.json   # GPT medium, N = 2, 12 steps each
+    python bench/steptime.py --replay docs/steptime.json # predictions from a saved run
 
 Measures the model's inputs here, one thread per process as the benchmark ranks run:
 
@@ -17,6 +18,9 @@ Measures the model's inputs here, one thread per process as the benchmark ranks 
 Then runs zeroshard stages 0-3 at N = 2 (bench/compare.py's ranks, the same global
 batch and AdamW), predicts each step time from the measured inputs and prints
 predicted against measured, and the ratio of each stage to stage 0 both ways.
+``--replay`` recomputes the predictions from a saved run's measurements, with the
+engine's overlap and with none (the transfers taking the compute cores), measuring
+nothing.
 """
 
 from __future__ import annotations
@@ -97,11 +101,42 @@ def fit_alpha_beta(sizes: list[int], times: list[float]) -> tuple[float, float]:
     return max(0.0, (times[0] - sizes[0] / beta) / 2), beta
 
 
-def main() -> None:
+def predict(run: dict, overlap: bool) -> list:
+    """Step-time predictions of stages 0-3 from a run's measured inputs."""
     from zeroshard.models.gpt import GPT, get_preset
     from zeroshard.plan import ModelSpec, Workload, get_recipe
     from zeroshard.plan.hardware import Accelerator, Cluster, Link, Network
-    from zeroshard.plan.steptime import Schedule, step_time, train_flops_per_token
+    from zeroshard.plan.steptime import Schedule, step_time
+
+    args = run["args"]
+    cfg = get_preset(args["preset"])
+    params = sum(q.numel() for q in GPT(cfg).parameters())
+    model = ModelSpec(args["preset"], params, cfg.hidden, cfg.layers, cfg.heads)
+    work = Workload(args["batch"] // 2 * cfg.block_size, cfg.block_size, checkpointing=False)
+    link = Link("gloo loopback", run["beta"], run["alpha"])
+    cluster = Cluster(Accelerator("cpu", run["gemm_rate"], run["optimizer_rate"],
+                                  run["efficiency"]),
+                      Network("loopback", link, link, overlap), gpus_per_node=2)
+    # compare.py trains in fp32 and reduces in fp32
+    return [step_time(model, get_recipe("fp32-adamw"), work, 2, cluster, Schedule(stage))
+            for stage in range(4)]
+
+
+def report(measured: list[float], predicted: list) -> None:
+    for stage, (m, q) in enumerate(zip(measured, predicted)):
+        print(f"stage {stage}: measured {m * 1e3:7.1f} ms  predicted {q.step * 1e3:7.1f} ms  "
+              f"error {(q.step / m - 1) * 100:+5.1f}%  (exposed comm {q.exposed * 1e3:.1f} ms, "
+              f"optimizer {q.optimizer * 1e3:.1f} ms)")
+    print("ratio to stage 0:  measured  predicted  error")
+    for stage in range(1, 4):
+        m, q = measured[stage] / measured[0], predicted[stage].step / predicted[0].step
+        print(f"  stage {stage}            {m:.3f}     {q:.3f}   {(q / m - 1) * 100:+.1f}%")
+
+
+def main() -> None:
+    from zeroshard.models.gpt import GPT, get_preset
+    from zeroshard.plan import ModelSpec, Workload, get_recipe
+    from zeroshard.plan.steptime import train_flops_per_token
     from zeroshard.runtime.spawn import spawn
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,10 +144,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--replay", metavar="FILE", help="predict from a saved run; measure nothing")
     a = p.parse_args()
+    if a.replay:
+        with open(a.replay) as fh:
+            run = json.load(fh)
+        measured = [r["measured"] for r in run["stages"]]
+        for overlap in (True, False):
+            print(f"\n{'with the engine overlap' if overlap else 'with no overlap'}:")
+            report(measured, predict(run, overlap))
+        return
     n, lr = 2, 1e-3
     cfg = get_preset(a.preset)
-    recipe = get_recipe("fp32-adamw")  # compare.py trains in fp32 and reduces in fp32
+    recipe = get_recipe("fp32-adamw")
     seq, local = cfg.block_size, a.batch // n
     work = Workload(local * seq, seq, checkpointing=False)
 
@@ -132,34 +176,24 @@ def main() -> None:
           f"{opt_bw / 1e9:.2f} GB/s; gloo alpha {alpha * 1e6:.0f} us, beta {beta / 1e9:.2f} GB/s",
           flush=True)
     print("all-reduce ms: " + ", ".join(f"{s >> 10} KiB {t * 1e3:.2f}" for s, t in zip(sizes, ar)))
-
-    link = Link("gloo loopback", beta, alpha)
-    cluster = Cluster(Accelerator("cpu", rate, opt_bw, efficiency),
-                      Network("loopback", link, link), gpus_per_node=n)
-    rows = []
+    run = {"args": vars(a), "gemm_rate": rate, "efficiency": efficiency,
+           "optimizer_rate": opt_bw, "alpha": alpha, "beta": beta,
+           "all_reduce": dict(zip(map(str, sizes), ar)), "limit": limit}
+    measured = []
     for stage in range(4):
-        measured = spawn(_rank, n, f"zeroshard-{stage}", a.preset, a.steps, a.batch, lr, n,
-                         timeout=900)[0]
-        predicted = step_time(model, recipe, work, n, cluster, Schedule(stage))
-        rows.append({"stage": stage, "measured": measured["median"], "iqr": measured["iqr"],
-                     "predicted": predicted.step, "exposed": predicted.exposed,
-                     "optimizer": predicted.optimizer})
-        print(f"stage {stage}: measured {measured['median'] * 1e3:7.1f} ms (IQR "
-              f"{measured['iqr'] * 1e3:5.1f})  predicted {predicted.step * 1e3:7.1f} ms  error "
-              f"{(predicted.step / measured['median'] - 1) * 100:+5.1f}%  (exposed comm "
-              f"{predicted.exposed * 1e3:.1f} ms, optimizer {predicted.optimizer * 1e3:.1f} ms)",
+        r = spawn(_rank, n, f"zeroshard-{stage}", a.preset, a.steps, a.batch, lr, n,
+                  timeout=900)[0]
+        measured.append(r["median"])
+        print(f"stage {stage}: measured {r['median'] * 1e3:7.1f} ms (IQR {r['iqr'] * 1e3:5.1f})",
               flush=True)
-    base = rows[0]
-    print("\nratio to stage 0:  measured  predicted  error")
-    for r in rows[1:]:
-        m, q = r["measured"] / base["measured"], r["predicted"] / base["predicted"]
-        print(f"  stage {r['stage']}            {m:.3f}     {q:.3f}   {(q / m - 1) * 100:+.1f}%")
+    predicted = predict(run, overlap=True)
+    report(measured, predicted)
+    run["stages"] = [{"stage": k, "measured": m, "predicted": q.step, "exposed": q.exposed,
+                      "optimizer": q.optimizer} for k, (m, q) in enumerate(zip(measured,
+                                                                               predicted))]
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"args": vars(a), "gemm_rate": rate, "efficiency": efficiency,
-                       "optimizer_rate": opt_bw, "alpha": alpha, "beta": beta,
-                       "all_reduce": dict(zip(map(str, sizes), ar)), "limit": limit,
-                       "stages": rows}, fh, indent=1)
+            json.dump(run, fh, indent=1)
 
 
 if __name__ == "__main__":

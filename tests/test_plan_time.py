@@ -123,6 +123,14 @@ def test_accumulation_overlaps_reductions_with_the_next_forward():
     assert toy(0, micro_batches=5).step == pytest.approx(30.5 * MS + optimizer(0))
 
 
+def test_without_overlap_every_collective_adds():
+    c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
+    t = step_time(TOY, BF16, WORK, 2, c, Schedule(3))
+    # 6 ms of compute, 8 gathers and 4 reduce-scatters of 0.25 ms
+    assert t.step == pytest.approx(9 * MS + optimizer(3))
+    assert t.exposed == pytest.approx(3 * MS)
+
+
 def test_schedule_validation_names_the_value():
     with pytest.raises(ValueError, match="stage=5"):
         Schedule(5)

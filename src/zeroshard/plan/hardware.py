@@ -82,6 +82,10 @@ class Network:
     """Within a node (NVLink, PCIe)."""
     inter: Link
     """Between nodes (InfiniBand, RoCE), per GPU: one NIC per GPU."""
+    overlap: bool = True
+    """Collectives run beside compute (GPU copy engines and NCCL kernels). False: the
+    transfers take the cores that compute runs on (gloo on a CPU), so nothing hides and
+    every second of communication adds to the step."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,9 @@ _PCIE5 = Link("PCIe 5.0 x16", 64e9, 5e-6)
 _NDR = Link("InfiniBand NDR 400G", 50e9, 10e-6)
 _HDR = Link("InfiniBand HDR 200G", 25e9, 10e-6)
 _ROCE100 = Link("RoCE 100GbE", 12.5e9, 15e-6)
-# bench/steptime.py on the project's machine: gloo all-reduce over 127.0.0.1 at N = 2.
-_LOOPBACK = Link("gloo loopback", 1.0e9, 100e-6)
+# bench/steptime.py on the project's machine: gloo all-reduce over 127.0.0.1 at N = 2
+# (docs/steptime.md).
+_LOOPBACK = Link("gloo loopback", 1.10e9, 152e-6)
 
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
@@ -130,7 +135,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         Accelerator("h200", 989e12, 4.8e12),
         # bench/steptime.py: the GEMM rate of one thread, the efficiency of a one-process
         # GPT medium step against it, and AdamW's effective streaming rate.
-        Accelerator("cpu", 100e9, 10e9, efficiency=0.5),
+        Accelerator("cpu", 172.7e9, 6.24e9, efficiency=0.73),
     )
 }
 
@@ -141,7 +146,7 @@ NETWORKS: dict[str, Network] = {
         Network("nvlink3-hdr", _NVLINK3, _HDR),
         Network("pcie4-roce", _PCIE4, _ROCE100),
         Network("pcie5-ndr", _PCIE5, _NDR),
-        Network("loopback", _LOOPBACK, _LOOPBACK),
+        Network("loopback", _LOOPBACK, _LOOPBACK, overlap=False),
     )
 }
 

@@ -33,6 +33,10 @@ them only where the engine waits:
   (``2·(optimizer + weights) + grads`` bytes per parameter it owns) at the memory rate;
 - TP's activation all-reduces sit between a layer's matrix multiplies: never hidden.
 
+On a network marked ``overlap=False`` (gloo on a CPU, where the transfers run on the
+cores that compute) nothing hides: the step is compute + TP + optimizer + every
+collective.
+
 The model's units are the L layers grouped ``blocks_per_unit`` at a time, holding P/U
 parameters each (the embeddings and head are spread over them). Steady state repeats
 each micro-batch, so a step of A micro-batches is simulated for min(A, 3) and the last
@@ -209,6 +213,8 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     tp_comm = a * model.layers * (4 + 2 * recompute) * tp_ar
     per_pass = units * (gather if stage == 3 else 0.0)
     comm = a * (2 * per_pass + units * reduce) + post
+    if not cluster.network.overlap:
+        t = compute + tp_comm + optimizer + comm
     return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, comm,
                     max(0.0, t - compute - tp_comm - optimizer),
                     work.tokens * a / tp / t)
