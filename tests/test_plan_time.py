@@ -188,6 +188,21 @@ CASES = [(m, n) for m in ("llama2-7b", "llama2-13b", "llama2-70b") for n in (8, 
 KEYS = ("stage", "tp", "unit size", "prefetch", "checkpointing", "micro-batch")
 
 
+def test_7b_on_one_h100_node_by_hand():
+    # llama2-7b, 8 GPUs on NVLink 4, one micro-batch of 2,048 tokens with checkpointing:
+    # the reductions of 32 units hide behind backward except the last; ZeRO-1 then
+    # all-gathers the 32 units' updated weights after the step.
+    m = ModelSpec.from_arch(get_preset("llama2-7b"))
+    P = m.params
+    compute = (8 * P + 16 * 32 * 4096 * 2048) * 2048 / (989e12 * 0.4)
+    one_way = 7 * 3e-6 + 7 / 8 * (2 * P / 32) / 450e9  # a unit's reduce-scatter/all-gather
+    ddp = step_time(m, BF16, Workload(2048), 8, H100, Schedule(0))
+    assert ddp.step == pytest.approx(compute + 2 * one_way + 30 * P / 3.35e12)
+    z1 = step_time(m, BF16, Workload(2048), 8, H100, Schedule(1))
+    assert z1.step == pytest.approx(compute + one_way + 30 * P / 8 / 3.35e12 + 32 * one_way)
+    assert z1.tokens_per_gpu == pytest.approx(2048 / z1.step)
+
+
 @pytest.mark.parametrize("name,gpus", CASES)
 def test_recommend_seed_models(name, gpus):
     model = ModelSpec.from_arch(get_preset(name))
