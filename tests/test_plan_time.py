@@ -117,6 +117,15 @@ def test_three_reductions_in_flight_wait_and_slow_links_serialise():
     assert t.step == pytest.approx((3 + 4 * 2) * MS + optimizer(0))
 
 
+def test_two_micro_batches_on_a_slow_link():
+    # 2 ms all-reduces queue behind a 1 ms backward per unit; the second backward starts
+    # when the first's last reduction lands (11 ms), its own last one lands at 20 ms
+    slow = Link("slow", 0.25e9, 0.0)
+    c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
+    t = step_time(TOY, BF16, WORK, 2, c, Schedule(0, micro_batches=2))
+    assert t.step == pytest.approx(20 * MS + optimizer(0))
+
+
 def test_accumulation_overlaps_reductions_with_the_next_forward():
     assert toy(0, micro_batches=2).step == pytest.approx(12.5 * MS + optimizer(0))
     # beyond three simulated micro-batches the steady-state increment repeats

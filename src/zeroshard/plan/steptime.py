@@ -19,8 +19,9 @@ link carries the data-parallel collectives in issue order; the compute stream wa
 them only where the engine waits:
 
 - every stage reduces each unit's gradients as soon as its backward is done, in
-  reverse forward order, with at most two reductions in flight (issuing a third waits
-  for the oldest), so reductions hide behind the backward of the units still to come;
+  reverse forward order — stages 1–3 with at most two reductions in flight (issuing a
+  third waits for the oldest), stage 0 without a bound — so reductions hide behind the
+  backward of the units still to come;
   the next micro-batch's backward waits for all of them, and the step waits for the
   last: the last reduction is exposed;
 - stage 3 gathers each unit before its forward and again before its backward and
@@ -138,9 +139,11 @@ class _Link:
 
 
 def _pass(t: float, link: _Link, units: int, compute: float, gather: float | None,
-          prefetch: int, reduce: float | None, flying: list[float]) -> float:
+          prefetch: int, reduce: float | None, flying: list[float],
+          bounded: bool = True) -> float:
     """One forward (``reduce`` None) or backward pass over ``units`` units; returns the
-    compute clock at its end. ``gather`` None: the weights are already whole."""
+    compute clock at its end. ``gather`` None: the weights are already whole;
+    ``bounded``: at most two reductions in flight."""
     landed: dict[int, float] = {}
     for k in range(units):
         if gather is not None:
@@ -153,7 +156,7 @@ def _pass(t: float, link: _Link, units: int, compute: float, gather: float | Non
         t += compute
         if reduce is not None:
             flying.append(link.run(t, reduce))
-            if len(flying) > 2:  # a third in flight: the oldest lands first
+            if bounded and len(flying) > 2:  # a third in flight: the oldest lands first
                 t = max(t, flying[-3])
     return t
 
@@ -194,7 +197,7 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
         t = _pass(t, line, units, f_unit, g, pf, None, [])
         t = max([t, *flying])  # a backward starts once the last one's reductions landed
         flying = []
-        t = _pass(t, line, units, b_unit, g, pf, reduce, flying)
+        t = _pass(t, line, units, b_unit, g, pf, reduce, flying, bounded=stage > 0)
         ends.append(t)
     extra = schedule.micro_batches - len(ends)
     shift = extra * (ends[-1] - ends[-2]) if extra > 0 else 0.0
