@@ -320,7 +320,8 @@ def ledger_grid(model="mlp"):
             net(x, y).backward()
             # read once the engine's step pre-hook has landed every gradient
             seen = []
-            hook = opt.register_step_pre_hook(lambda o, a, k: seen.append(net.memory(o)))
+            hook = opt.register_step_pre_hook(
+                lambda o, a, k, seen=seen, net=net: seen.append(net.memory(o)))
             opt.step()
             hook.remove()
             mem = seen[0]
