@@ -195,6 +195,29 @@ def test_initial_state_from_python(browser, tmp_path):
     s.context.close()
 
 
+def test_plan_command_writes_the_page(browser, tmp_path, capsys):
+    """`zeroshard plan --html` opens on the command line's settings, with the same numbers."""
+    from zeroshard.cli import main
+
+    path = tmp_path / "cli.html"
+    assert main(["plan", "--model", "llama2-70b", "--gpus", "64", "--gpu-mem", "141",
+                 "--precision", "fp32-adamw", "--html", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().err
+    s = Session(browser, path)
+    model, recipe, work = ModelSpec.from_arch(PRESETS["llama2-70b"]), get_recipe("fp32-adamw"), \
+        Workload(2048)
+    budget = 141 * 10**9
+    plans = plan_all(model, 64, recipe, work, budget)
+    want = dict(model=model, unit=10**9, recipe=recipe, work=work, budget=budget, gpus=64,
+                plans=plans, fit=first_fit(plans),
+                mins=[min_gpus(model, recipe, x, budget, work) for x in STRATEGIES])
+    check_readout(s.page.evaluate(READ), want)
+    assert s.network == [] and s.errors == []
+    s.context.close()
+    assert main(["plan", "--tp", "2", "--html", str(tmp_path / "tp.html")]) == 2
+    assert "drop --tp=2" in capsys.readouterr().err and not (tmp_path / "tp.html").exists()
+
+
 @pytest.mark.parametrize("state,message", [
     (dict(gpus=2048), "runs from 1 to 1,024"), (dict(tp=2), "data parallelism alone"),
     (dict(model="nope"), "unknown model 'nope'"), (dict(tokens=0), "must be a positive"),

@@ -9,6 +9,7 @@ examples:
   zeroshard plan --params 6738149376 --hidden 4096 --layers 32 --gpu-mem 24
   zeroshard plan --model llama2-70b --min-gpus
   zeroshard plan --hf-config path/to/config.json --sweep 8,16,32,64 --json
+  zeroshard plan --model llama2-70b --gpus 64 --html plan.html
   zeroshard plan --model llama2-13b --gpus 64 --time --global-batch 1024
   zeroshard plan --model llama2-70b --gpus 64 --network pcie4-roce --recommend
 """
@@ -74,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "instead of powers of two")
     o.add_argument("--sweep", metavar="N,N,...", help="the table over these GPU counts")
     o.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    o.add_argument("--html", metavar="FILE.html",
+                   help="also write the planner as one self-contained page (opens from disk, "
+                        "no network) that starts from these settings")
     o.add_argument("--plot", metavar="FILE.png",
                    help="stacked bars per strategy with the budget line")
     timecmd.add_arguments(p)
@@ -145,6 +149,18 @@ def run(args) -> int:
     shown = [STRATEGIES[stage_of(args.strategy)]] if args.strategy else list(STRATEGIES)
     sweep = _sweep(args.sweep) if args.sweep else None
 
+    if args.html:
+        from . import page
+
+        if (args.tp or 1) > 1:
+            raise ValueError(f"--html plans data parallelism alone; drop --tp={args.tp}")
+
+        page.write_page(args.html, model=args.model or model, gpus=args.gpus,
+                        gpu_mem=args.gpu_mem, gib=args.gib, recipe=recipe, tokens=args.tokens,
+                        seq_len=args.seq_len, checkpointing=not args.no_checkpointing,
+                        flash_attention=args.flash_attention, gpu_step=args.gpu_step,
+                        tp=args.tp or 1)
+        print(f"wrote {args.html}", file=sys.stderr)
     if args.recommend:
         rec = timecmd.run_recommend(args, model, recipe, budget)
         if args.json:
