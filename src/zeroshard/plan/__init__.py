@@ -1,4 +1,5 @@
-"""The planner: memory per GPU by category and communication per step, before a run.
+"""The planner: memory per GPU by category, communication and step time per step,
+and a recommended configuration, before a run.
 
 Pure Python — importing this package never imports torch.
 
@@ -11,6 +12,16 @@ Pure Python — importing this package never imports torch.
 
 from .advice import MinGpus, first_fit, floor_bytes, min_gpus, why_none_fits
 from .arch import PRESETS, Architecture, ModelSpec, from_hf_config, get_preset
+from .hardware import (
+    ACCELERATORS,
+    NETWORKS,
+    Accelerator,
+    Cluster,
+    Link,
+    Network,
+    get_accelerator,
+    get_network,
+)
 from .memory import (
     STRATEGIES,
     StrategyPlan,
@@ -26,8 +37,13 @@ from .memory import (
     transient_bytes,
 )
 from .recipes import DEFAULT_RECIPE, DTYPE_BYTES, RECIPES, Recipe, get_recipe
+from .recommend import Recommendation, recommend
+from .steptime import Schedule, StepTime, step_time, step_times
 
 __all__ = [
+    "ACCELERATORS", "Accelerator", "Cluster", "Link", "NETWORKS", "Network", "Recommendation",
+    "Schedule", "StepTime", "get_accelerator", "get_network", "recommend", "step_time",
+    "step_times",
     "Architecture", "DEFAULT_RECIPE", "DTYPE_BYTES", "MinGpus", "ModelSpec", "PRESETS",
     "RECIPES", "Recipe", "STRATEGIES", "StrategyPlan", "Workload", "activation_bytes",
     "comm_bytes", "first_fit", "floor_bytes", "from_hf_config", "get_preset", "get_recipe",
