@@ -16,8 +16,9 @@ Measures the model's inputs here, one thread per process as the benchmark ranks 
    ring's 2(n-1)·α + 2(n-1)/n·T/β.
 
 Then runs zeroshard stages 0-3 at N = 2 (bench/compare.py's ranks, the same global
-batch and AdamW), predicts each step time from the measured inputs and prints
-predicted against measured, and the ratio of each stage to stage 0 both ways.
+batch and AdamW), predicts each step time from the measured inputs (the engine's own
+copies at the optimizer's streaming rate) and prints predicted against measured, and
+the ratio of each stage to stage 0 both ways.
 ``--replay`` recomputes the predictions from a saved run's measurements, with the
 engine's overlap and with none (the transfers taking the compute cores), measuring
 nothing.
@@ -126,7 +127,7 @@ def report(measured: list[float], predicted: list) -> None:
     for stage, (m, q) in enumerate(zip(measured, predicted)):
         print(f"stage {stage}: measured {m * 1e3:7.1f} ms  predicted {q.step * 1e3:7.1f} ms  "
               f"error {(q.step / m - 1) * 100:+5.1f}%  (exposed comm {q.exposed * 1e3:.1f} ms, "
-              f"optimizer {q.optimizer * 1e3:.1f} ms)")
+              f"optimizer {q.optimizer * 1e3:.1f} ms, copies {q.copies * 1e3:.1f} ms)")
     print("ratio to stage 0:  measured  predicted  error")
     for stage in range(1, 4):
         m, q = measured[stage] / measured[0], predicted[stage].step / predicted[0].step
@@ -179,18 +180,19 @@ def main() -> None:
     run = {"args": vars(a), "gemm_rate": rate, "efficiency": efficiency,
            "optimizer_rate": opt_bw, "alpha": alpha, "beta": beta,
            "all_reduce": dict(zip(map(str, sizes), ar)), "limit": limit}
-    measured = []
+    measured, iqrs = [], []
     for stage in range(4):
         r = spawn(_rank, n, f"zeroshard-{stage}", a.preset, a.steps, a.batch, lr, n,
                   timeout=900)[0]
         measured.append(r["median"])
+        iqrs.append(r["iqr"])
         print(f"stage {stage}: measured {r['median'] * 1e3:7.1f} ms (IQR {r['iqr'] * 1e3:5.1f})",
               flush=True)
     predicted = predict(run, overlap=True)
     report(measured, predicted)
-    run["stages"] = [{"stage": k, "measured": m, "predicted": q.step, "exposed": q.exposed,
-                      "optimizer": q.optimizer} for k, (m, q) in enumerate(zip(measured,
-                                                                               predicted))]
+    run["stages"] = [{"stage": k, "measured": m, "iqr": iqr, "predicted": q.step,
+                      "exposed": q.exposed, "optimizer": q.optimizer, "copies": q.copies}
+                     for k, (m, iqr, q) in enumerate(zip(measured, iqrs, predicted))]
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(run, fh, indent=1)

@@ -21,6 +21,7 @@ from zeroshard.plan.recommend import HEADROOM, Candidate, choose, recommend
 from zeroshard.plan.steptime import (
     Schedule,
     StepTime,
+    copy_bytes,
     ring_time,
     step_time,
     train_flops_per_token,
@@ -33,14 +34,28 @@ MS = 1e-3
 # h = 1 and s = 1 so attention adds 4·L·h·s = 16 FLOPs per token, 1,000 tokens per
 # micro-batch, a rate that makes one unit's forward F = 0.5 ms (backward 1 ms), and a
 # 1 GB/s link without latency between 2 ranks: a unit's bf16 weights (500 kB) gather in
-# G = 0.25 ms, its gradients reduce-scatter in 0.25 ms and all-reduce in 0.5 ms.
+# G = 0.25 ms, its gradients reduce-scatter in 0.25 ms and all-reduce in 0.5 ms. Memory
+# moves 1 TB/s, so the engine's copies take 1 µs per MB: visible, never reordering.
 TOY = ModelSpec("toy", 10**6, hidden=1, layers=4)
 WORK = Workload(1000, seq_len=1, checkpointing=False)
 RATE = (2 * 10**6 + 16) * 1000 / 4 / (0.5 * MS)
-OPT_BW = 1e15
+MEM_BW = 1e12
 TOY_LINK = Link("toy", 1e9, 0.0)
-TOY_CLUSTER = Cluster(Accelerator("toy", RATE, OPT_BW, efficiency=1.0),
+TOY_CLUSTER = Cluster(Accelerator("toy", RATE, MEM_BW, efficiency=1.0),
                       Network("toy", TOY_LINK, TOY_LINK))
+# Copy seconds per unit, by hand (CopyBytes): Q = 250,000 bf16 parameters (w = g = r = 2,
+# fp32 master m = 4) over N = 2 ranks, n = Q/2 = 125,000 of them owned.
+Q, N_ = 250_000, 125_000
+PACK = Q * (2 + 2) / MEM_BW  # issue_reduce: read g, write r
+LAND0 = (2 * Q * 2 + 2 * Q * 2) / MEM_BW  # div_ of the [N, S] buffer, split_with_sizes_copy
+LAND1 = 2 * N_ * 2 / MEM_BW  # div_ of the [S] slot; .to(bf16) of bf16 is a view
+LAND2 = (2 * N_ * 2 + N_ * (2 + 2)) / MEM_BW  # div_, copy_ into grad_shard
+MORE2 = (2 * N_ * 2 + N_ * (2 + 2 * 2)) / MEM_BW  # div_, add_ into grad_shard
+UNPACK = 2 * Q * 2 / MEM_BW  # unpack_into the padded storages (stage 3 gather, wait_sync)
+SYNC_IN = N_ * (4 + 2) / MEM_BW  # stages 1-2: master.to(bf16), the all-gather input
+CAST0 = (Q * (2 + 4) + Q * (4 + 2)) / MEM_BW  # stage 0: grads to fp32, master to weights
+CAST12 = N_ * (2 + 4) / MEM_BW  # stages 1-2: the shard's grads to fp32
+CAST3 = 2 * N_ * (2 + 4) / MEM_BW  # stage 3: grads to fp32, master into w_shard
 
 
 def toy(stage, prefetch=1, micro_batches=1):
@@ -48,7 +63,7 @@ def toy(stage, prefetch=1, micro_batches=1):
 
 
 def optimizer(stage):  # 2·(12 + 2) + 2 = 30 bytes streamed per owned parameter
-    return 30 * 10**6 / (2 if stage else 1) / OPT_BW
+    return 30 * 10**6 / (2 if stage else 1) / MEM_BW
 
 
 def test_ring_alpha_beta_by_hand():
@@ -78,66 +93,133 @@ def test_flops_per_token():
 
 
 def test_stage0_hides_all_but_the_last_reduction():
-    # forward 2 ms, backward 4 ms, reductions of 0.5 ms behind each unit's backward
+    # forward 2 ms, backward 4 ms (+ a pack before each issue), reductions of 0.5 ms
+    # behind each unit's backward; at the step three landings run while the last
+    # all-reduce is on the wire, then it lands; then the casts around the optimizer
     t = toy(0)
     assert t.compute == pytest.approx(6 * MS)
-    assert t.step == pytest.approx(6.5 * MS + optimizer(0))
-    assert t.exposed == pytest.approx(0.5 * MS)
+    assert t.copies == pytest.approx(4 * (PACK + LAND0 + CAST0))
+    assert t.step == pytest.approx(6.5 * MS + 4 * PACK + LAND0 + 4 * CAST0 + optimizer(0))
+    assert t.exposed == pytest.approx(0.5 * MS - 3 * LAND0)
     assert t.comm == pytest.approx(2 * MS)
     assert t.tokens_per_gpu == pytest.approx(1000 / t.step)
 
 
 def test_stage1_post_step_gathers_are_exposed():
-    # last reduce-scatter 0.25 ms, then four unit all-gathers of 0.25 ms after the step
+    # the last reduce-scatter (0.25 ms) leaves after 4 packs and the landing of unit 2
+    # (the third in flight lands unit 1's before unit 4's backward); it lands; the casts
+    # and the optimizer; then the first all-gather input, four unit all-gathers of
+    # 0.25 ms back to back (each unpack hides behind the next gather) and the last unpack
+    def step(land):
+        return (6.25 * MS + 4 * PACK + 2 * land + 4 * CAST12 + optimizer(1) + SYNC_IN
+                + 1 * MS + UNPACK)
+
     t = toy(1)
-    assert t.step == pytest.approx(6.25 * MS + optimizer(1) + 1 * MS)
-    assert t.exposed == pytest.approx(1.25 * MS)
-    assert toy(2).step == t.step
+    assert t.step == pytest.approx(step(LAND1))
+    copies = 4 * (PACK + LAND1 + CAST12 + SYNC_IN + UNPACK)
+    assert t.copies == pytest.approx(copies)
+    assert t.exposed == pytest.approx(t.step - 6 * MS - optimizer(1) - copies)
+    assert toy(2).step == pytest.approx(step(LAND2))  # ZeRO-2 copies into grad_shard
 
 
 def test_stage3_prefetch_one_exposes_the_first_gather_of_each_pass():
-    # 2·G + 4F + 4B + the last reduce-scatter
+    # 2·G + 4F + 4B + the last reduce-scatter, + 8 unpacks and 4 packs on the way, the
+    # landing of unit 1 before unit 4's gather and the landing of the last
     t = toy(3, prefetch=1)
-    assert t.step == pytest.approx((0.5 + 2 + 4 + 0.25) * MS + optimizer(3))
-    assert t.exposed == pytest.approx(0.75 * MS)
+    copies = 8 * UNPACK + 4 * PACK + 2 * LAND2
+    assert t.step == pytest.approx((0.5 + 2 + 4 + 0.25) * MS + copies + 4 * CAST3
+                                   + optimizer(3))
+    assert t.copies == pytest.approx(4 * (2 * UNPACK + PACK + LAND2 + CAST3))
+    assert t.exposed == pytest.approx(0.75 * MS - 2 * LAND2)
     assert toy(3, prefetch=2).step == pytest.approx(t.step)
 
 
 def test_stage3_without_prefetch_waits_for_every_gather():
     # forward 4·(G + F); in backward each gather queues behind the previous reduction
+    # (which hides unit 1's landing); 8 unpacks, 4 packs and the last landing add
     t = toy(3, prefetch=0)
-    assert t.step == pytest.approx(9.0 * MS + optimizer(3))
-    assert t.exposed == pytest.approx(3.0 * MS)
+    assert t.step == pytest.approx(9.0 * MS + 8 * UNPACK + 4 * PACK + LAND2 + 4 * CAST3
+                                   + optimizer(3))
+    assert t.exposed == pytest.approx(3.0 * MS - 3 * LAND2)
 
 
 def test_three_reductions_in_flight_wait_and_slow_links_serialise():
     slow = Link("slow", 0.25e9, 0.0)  # all-reduce of a unit: 2 ms, longer than a backward
     c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
     t = step_time(TOY, BF16, WORK, 2, c, Schedule(0))
-    assert t.step == pytest.approx((3 + 4 * 2) * MS + optimizer(0))
+    # only the first pack delays the wire; the last all-reduce lands after the others
+    assert t.step == pytest.approx((3 + 4 * 2) * MS + PACK + LAND0 + 4 * CAST0 + optimizer(0))
 
 
 def test_two_micro_batches_on_a_slow_link():
     # 2 ms all-reduces queue behind a 1 ms backward per unit; the second backward starts
-    # when the first's last reduction lands (11 ms), its own last one lands at 20 ms
+    # when the first's last reduction lands (11 ms + a pack + a landing), its own last
+    # one lands at 20 ms + two packs + a landing
     slow = Link("slow", 0.25e9, 0.0)
     c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
     t = step_time(TOY, BF16, WORK, 2, c, Schedule(0, micro_batches=2))
-    assert t.step == pytest.approx(20 * MS + optimizer(0))
+    assert t.step == pytest.approx(20 * MS + 2 * PACK + 2 * LAND0 + 4 * CAST0 + optimizer(0))
 
 
 def test_accumulation_overlaps_reductions_with_the_next_forward():
-    assert toy(0, micro_batches=2).step == pytest.approx(12.5 * MS + optimizer(0))
+    # the next backward lands all four of the previous one's reductions first
+    assert toy(0, micro_batches=2).step == pytest.approx(
+        12.5 * MS + 8 * PACK + 5 * LAND0 + 4 * CAST0 + optimizer(0))
     # beyond three simulated micro-batches the steady-state increment repeats
-    assert toy(0, micro_batches=5).step == pytest.approx(30.5 * MS + optimizer(0))
+    assert toy(0, micro_batches=5).step == pytest.approx(
+        30.5 * MS + 20 * PACK + 17 * LAND0 + 4 * CAST0 + optimizer(0))
+    # ZeRO-2's later micro-batches add into grad_shard: no overlap makes it a plain sum
+    c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
+    t = step_time(TOY, BF16, WORK, 2, c, Schedule(2, micro_batches=3))
+    copies = 4 * (3 * PACK + LAND2 + 2 * MORE2 + CAST12 + SYNC_IN + UNPACK)
+    assert t.copies == pytest.approx(copies)
+    # 3 × 6 ms of compute, 3 × 4 reduce-scatters and 4 all-gathers of 0.25 ms
+    assert t.step == pytest.approx(18 * MS + 4 * MS + copies + optimizer(2))
 
 
 def test_without_overlap_every_collective_adds():
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
     t = step_time(TOY, BF16, WORK, 2, c, Schedule(3))
-    # 6 ms of compute, 8 gathers and 4 reduce-scatters of 0.25 ms
-    assert t.step == pytest.approx(9 * MS + optimizer(3))
+    # 6 ms of compute, 8 gathers and 4 reduce-scatters of 0.25 ms, every copy
+    copies = 4 * (2 * UNPACK + PACK + LAND2 + CAST3)
+    assert t.step == pytest.approx(9 * MS + copies + optimizer(3))
     assert t.exposed == pytest.approx(3 * MS)
+
+
+def test_copy_bytes_per_stage_by_hand():
+    # one unit of Q = 1,000 parameters over N = 4 ranks (n = 250 owned); bf16 weights and
+    # gradients reduced in fp32 (the engine's default under bf16): w = g = 2, r = m = 4
+    mixed = BF16.with_reduce_dtype("fp32")
+    c = [copy_bytes(mixed, stage, 1000, 4) for stage in range(4)]
+    assert [x.pack for x in c] == [1000 * (2 + 4)] * 4  # _chunk_cat: read g, write r
+    # stage 0: div_ over [N, S] 2·Q·r, cast to bf16 Q·(r + g), split_with_sizes_copy 2·Q·g
+    assert c[0].land == c[0].land_more == 8000 + 6000 + 4000
+    assert c[1].land == c[1].land_more == 2 * 250 * 4 + 250 * (4 + 2)  # div_ [S], .to(bf16)
+    assert c[2].land == c[3].land == 2000 + 250 * (4 + 2)  # div_, copy_ into grad_shard
+    assert c[2].land_more == 2000 + 250 * (4 + 2 * 2)  # div_, add_ into grad_shard
+    assert [x.gather for x in c] == [0, 0, 0, 2 * 1000 * 2]  # unpack_into, per gather
+    assert [x.sync_input for x in c] == [0, 250 * (4 + 2), 250 * (4 + 2), 0]  # master cast
+    assert [x.sync_unpack for x in c] == [0, 4000, 4000, 0]  # wait_sync's unpack_into
+    # assign_step_grads' fp32 cast; refresh_compute's master copy at stages 0 and 3
+    assert [x.step for x in c] == [6000 + 6000, 1500, 1500, 1500 + 1500]
+    assert [x.per_step(1, 1) for x in c] == [36000, 16500, 16500, 20500]
+    assert c[2].per_step(3, 2) == 3 * (16500 + 6000 + 4000)  # a second pass: pack, add_
+    # fp32 AdamW (no master, nothing to cast): 24Q at stage 0; 2·Q·w/N for the cat input
+    fp32 = get_recipe("fp32-adamw")
+    assert [copy_bytes(fp32, s, 1000, 4).per_step(1, 1) for s in range(4)] == [
+        8000 + 16000, 8000 + 2000 + 2000 + 8000, 8000 + 4000 + 2000 + 8000, 8000 + 4000 + 16000]
+
+
+def test_copies_run_on_the_compute_stream():
+    # memory at 10 GB/s: per unit a pack of 0.1 ms, a stage-0 landing of 0.2 ms, casts of
+    # 0.3 ms; the optimizer 3 ms. Each pack delays its all-reduce (issued at 3.1, 4.2,
+    # 5.3 and 6.4 ms, landed 0.5 ms later); from 6.4 ms the step lands them one by one
+    # (6.6, 6.8, 7.0), the last after it arrives at 6.9: 7.2 ms, then 1.2 + 3 ms.
+    c = Cluster(Accelerator("slow memory", RATE, 1e10, efficiency=1.0), TOY_CLUSTER.network)
+    t = step_time(TOY, BF16, WORK, 2, c, Schedule(0))
+    assert t.step == pytest.approx(11.4 * MS)
+    assert t.copies == pytest.approx(4 * (0.1 + 0.2 + 0.3) * MS)
+    assert t.exposed == pytest.approx(0.0, abs=1e-12)
 
 
 def test_schedule_validation_names_the_value():
@@ -202,13 +284,24 @@ def test_7b_on_one_h100_node_by_hand():
     # the reductions of 32 units hide behind backward except the last; ZeRO-1 then
     # all-gathers the 32 units' updated weights after the step.
     m = ModelSpec.from_arch(get_preset("llama2-7b"))
-    P = m.params
+    P, Q, bw = m.params, m.params / 32, 3.35e12
     compute = (8 * P + 16 * 32 * 4096 * 2048) * 2048 / (989e12 * 0.4)
     one_way = 7 * 3e-6 + 7 / 8 * (2 * P / 32) / 450e9  # a unit's reduce-scatter/all-gather
+    # DDP copies, bf16 (w = g = r = 2, m = 4): a pack 4Q, a landing 8Q (div_ 4Q,
+    # split_with_sizes_copy 4Q), casts 6Q + 6Q: 24P. The step lands 31 reductions
+    # (0.5 ms each) while the last all-reduce (1.7 ms) is on the wire: none exposed.
     ddp = step_time(m, BF16, Workload(2048), 8, H100, Schedule(0))
-    assert ddp.step == pytest.approx(compute + 2 * one_way + 30 * P / 3.35e12)
+    assert ddp.step == pytest.approx(compute + 24 * P / bw + 30 * P / bw)
+    assert ddp.exposed == pytest.approx(0.0, abs=1e-12)
+    # ZeRO-1: 32 packs (4Q); landings of Q/2 (div_ of the [S] slot) as units 3-31 issue
+    # a third reduction (unit 32's and the second-last hide behind the last
+    # reduce-scatter), then the last; the shard's fp32 gradient casts (6Q/8 per unit);
+    # the first master cast (6Q/8), 32 all-gathers back to back (each unpack of 4Q is
+    # shorter than a gather), the last unpack
     z1 = step_time(m, BF16, Workload(2048), 8, H100, Schedule(1))
-    assert z1.step == pytest.approx(compute + one_way + 30 * P / 8 / 3.35e12 + 32 * one_way)
+    assert z1.step == pytest.approx(compute + (32 * 4 * Q + 29 * Q / 2) / bw + one_way
+                                    + Q / 2 / bw + (32 * 6 * Q / 8) / bw + 30 * P / 8 / bw
+                                    + 6 * Q / 8 / bw + 32 * one_way + 4 * Q / bw)
     assert z1.tokens_per_gpu == pytest.approx(2048 / z1.step)
 
 
@@ -245,7 +338,7 @@ def test_recommend_70b_on_16_h200s_fits():
 
 def test_choose_prefers_the_simpler_configuration_within_one_percent():
     def cand(stage, step, tp=1, ckpt=False):
-        t = StepTime("x", step, 0, 0, 0, 0, 0, 1)
+        t = StepTime("x", step, 0, 0, 0, 0, 0, 0, 1)
         return Candidate(stage, tp, 1, 1 if stage == 3 else 0, ckpt, 1, 1, 0, t)
 
     z3, z1, ddp = cand(3, 1.0), cand(1, 1.009), cand(0, 1.02)

@@ -42,7 +42,8 @@ class Accelerator:
     """Peak dense FLOP/s in the compute dtype (bf16 tensor cores for GPUs)."""
     memory_bandwidth: float
     """Bytes/s between the chip and its memory; bounds the optimizer step, which
-    streams every byte of its state once."""
+    streams every byte of its state once, and the engine's own copies (pack, unpack,
+    casts), which read and write every byte they move."""
     efficiency: float = 0.4
     """Fraction of ``peak_flops`` a transformer step achieves (model FLOPs utilisation)."""
 
@@ -134,7 +135,8 @@ ACCELERATORS: dict[str, Accelerator] = {
         Accelerator("h100", 989e12, 3.35e12),
         Accelerator("h200", 989e12, 4.8e12),
         # bench/steptime.py: the GEMM rate of one thread, the efficiency of a one-process
-        # GPT medium step against it, and AdamW's effective streaming rate.
+        # GPT medium step against it, and AdamW's effective streaming rate (which the
+        # model also charges the engine's copies at).
         Accelerator("cpu", 172.7e9, 6.24e9, efficiency=0.73),
     )
 }

@@ -122,13 +122,14 @@ def time_table(times, plans, shown, args) -> None:
     t = Table(title=(f"step time on {args.gpus} x {args.accelerator} ({args.network}, "
                      f"{args.gpus_per_node} per node), {args.blocks_per_unit} block(s) per "
                      f"unit, prefetch {prefetch}"), title_justify="left")
-    for col in ("strategy", "step s", "compute s", "TP s", "optimizer s", "comm s",
-                "exposed s", "tokens/s/GPU", "fits"):
+    for col in ("strategy", "step s", "compute s", "TP s", "optimizer s", "copies s",
+                "comm s", "exposed s", "tokens/s/GPU", "fits"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for st, p in zip(times, plans):
         if st.strategy in shown:
             t.add_row(st.strategy, f"{st.step:.3f}", f"{st.compute:.3f}", f"{st.tp_comm:.3f}",
-                      f"{st.optimizer:.4f}", f"{st.comm:.3f}", f"{st.exposed:.3f}",
+                      f"{st.optimizer:.4f}", f"{st.copies:.4f}", f"{st.comm:.3f}",
+                      f"{st.exposed:.3f}",
                       f"{st.tokens_per_gpu:,.0f}", "yes" if p.fits else "no")
     _console().print(t)
 

@@ -1,47 +1,45 @@
-"""The step-time model: compute, communication, and how much of it the engine hides.
+"""The step-time model: compute, communication, copies, and what the engine hides
+(the equations and their validation: docs/steptime.md).
 
-**Compute.** A training step of a decoder-only transformer costs, per token, the forward
-``2·P + 4·L·h·s`` FLOPs (every weight once in a multiply-add; the attention scores
-``QKᵀ`` and the weighted sum over ``s`` positions) and twice that in backward: ``6·P +
-12·L·h·s`` in all (Kaplan et al., 2020, table 1; Narayanan et al., 2021, section 5.1,
-whose ``72·B·s·L·h²·(1 + s/6h + …)`` has the same attention term). Activation
-checkpointing runs the forward again inside backward: ``8·P + 16·L·h·s``. Tensor
-parallelism of degree K gives each GPU 1/K of those FLOPs. Time = FLOPs / (peak ×
-efficiency).
+**Compute.** Per token, forward ``2·P + 4·L·h·s`` FLOPs (a multiply-add per weight; the
+attention scores and weighted sum over ``s`` positions), backward twice that: ``6·P +
+12·L·h·s`` (Kaplan et al., 2020, table 1; Narayanan et al., 2021, section 5.1);
+checkpointing recomputes the forward, ``8·P + 16·L·h·s``. TP of degree K gives each GPU
+1/K. Time = FLOPs / (peak × efficiency).
 
-**Communication** (alpha-beta model of a ring; Thakur, Rabenseifner and Gropp, 2005;
-Patarasuk and Yuan, 2009): over n ranks, a reduce-scatter or all-gather of T bytes takes
-``(n-1)·α + (n-1)/n·T/β``, an all-reduce twice that. β and α are those of the slowest
-network level the ring spans (:meth:`Cluster.link`).
+**Communication** (ring alpha-beta model; Thakur, Rabenseifner and Gropp, 2005;
+Patarasuk and Yuan, 2009): over n ranks a reduce-scatter or all-gather of T bytes takes
+``(n-1)·α + (n-1)/n·T/β``, an all-reduce twice that, on the slowest network level the
+ring spans (:meth:`Cluster.link`).
 
 **Overlap, as zeroshard's engine schedules it** (``runtime/sharded.py``): one serial
 link carries the data-parallel collectives in issue order; the compute stream waits on
 them only where the engine waits:
 
-- every stage reduces each unit's gradients as soon as its backward is done, in
-  reverse forward order — stages 1–3 with at most two reductions in flight (issuing a
-  third waits for the oldest), stage 0 without a bound — so reductions hide behind the
-  backward of the units still to come;
-  the next micro-batch's backward waits for all of them, and the step waits for the
-  last: the last reduction is exposed;
-- stage 3 gathers each unit before its forward and again before its backward and
-  issues the next ``prefetch`` units' gathers as soon as its own has landed; the first
-  gather of each pass is exposed, and with ``prefetch`` 0 every gather is;
-- stages 1–2 all-gather the updated weights after the optimizer step, unit by unit, two
-  in flight; the step's hook waits for all but the last and the next forward for that
-  one, so these gathers are exposed;
-- the optimizer step streams its shard of optimizer state, weights and gradients once
-  (``2·(optimizer + weights) + grads`` bytes per parameter it owns) at the memory rate;
-- TP's activation all-reduces sit between a layer's matrix multiplies: never hidden.
+- every stage reduces each unit's gradients once its backward is done, in reverse
+  forward order — stages 1–3 with at most two in flight (a third waits for the oldest),
+  stage 0 without a bound — hidden behind the backward of the units still to come; the
+  next backward waits for all of them and the step for the last: it is exposed, less
+  the landings of the others meanwhile;
+- stage 3 gathers each unit before its forward and again before its backward, and the
+  next ``prefetch`` units' as soon as its own has landed: the first gather of each pass
+  is exposed, and with ``prefetch`` 0 every gather is;
+- stages 1–2 all-gather the updated weights after the step, unit by unit, two in
+  flight; the step's hook waits for all but the last, the next forward for that one:
+  exposed;
+- the optimizer streams its shard's ``2·(optimizer + weights) + grads`` bytes per
+  owned parameter once at the memory rate;
+- TP's activation all-reduces sit between a layer's matrix multiplies: never hidden;
+- the engine's own copies (:class:`CopyBytes`: packing, averaging, unpacking, casts) run
+  at the memory rate on the compute stream where the engine makes them (it has no copy
+  streams).
 
-On a network marked ``overlap=False`` (gloo on a CPU, where the transfers run on the
-cores that compute) nothing hides: the step is compute + TP + optimizer + every
-collective.
+On a network marked ``overlap=False`` (gloo on a CPU, whose transfers take the cores
+that compute) nothing hides: compute + TP + optimizer + copies + every collective.
 
-The model's units are the L layers grouped ``blocks_per_unit`` at a time, holding P/U
-parameters each (the embeddings and head are spread over them). Steady state repeats
-each micro-batch, so a step of A micro-batches is simulated for min(A, 3) and the last
-micro-batch's increment repeated.
+Units are the L layers grouped ``blocks_per_unit`` at a time, P/U parameters each (the
+embeddings and head spread over them). A step of A micro-batches is simulated for
+min(A, 3) and the last micro-batch's increment repeated (steady state).
 """
 
 from __future__ import annotations
@@ -73,6 +71,74 @@ def train_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -
     attention = 4 * model.layers * model.hidden * seq_len
     forward = 2 * model.params + attention
     return forward * (4 if checkpointing else 3)
+
+
+def _cast(n: float, a: str, b: str, a_bytes: int, b_bytes: int) -> float:
+    """Bytes of ``Tensor.to`` over ``n`` elements from dtype a to b: none when they are
+    the same dtype (``.to`` returns the tensor itself), else a read and a write."""
+    return 0.0 if a == b else n * (a_bytes + b_bytes)
+
+
+@dataclass(frozen=True)
+class CopyBytes:
+    """Bytes (read + write) of the engine's memory-bound copies for one unit of Q
+    parameters over N ranks, per occurrence (``runtime/unit.py``); w, g, r, m: bytes per
+    element of weights, gradients, reduce dtype, master. ``.to`` between equal dtypes
+    copies nothing. Padding and the presence flags are left out."""
+
+    pack: float
+    """Each backward, ``issue_reduce``: ``_chunk_cat`` reads the local gradients and
+    writes the [N, S+F] buffer, ``Q·(g + r)``."""
+    land: float
+    """The step's first backward, ``wait_reduce``: ``div_`` by N of the [N, ·] buffer
+    at stage 0 (``2·Q·r``), of the [S] slot above (``2·Q·r/N``); then stage 0
+    ``_land_full_grads`` (a cast if r ≠ g; ``split_with_sizes_copy`` ``2·Q·g``), stage 1
+    a cast if r ≠ g (else a view), stages 2-3 ``copy_`` into ``grad_shard`` ``Q·(r+g)/N``."""
+    land_more: float
+    """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
+    (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
+    gather: float
+    """Stage 3, each gather (forward and backward): ``unpack_into`` ``2·Q·w``."""
+    sync_input: float
+    """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, a master
+    cast ``Q·(m + w)/N`` (if m ≠ w) or ``torch.cat`` of this rank's rows ``2·Q·w/N``."""
+    sync_unpack: float
+    """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``."""
+    step: float
+    """Once per step with a master: ``assign_step_grads``' cast to it if g ≠ m
+    (``Q·(g + m)`` at stage 0, ``/N`` above) and ``refresh_compute``'s master copy into
+    the weights at stage 0 (``Q·(m + w)``) and into ``w_shard`` at stage 3 (``/N``)."""
+
+    def per_step(self, units: int, micro_batches: int) -> float:
+        """Bytes of a step of ``micro_batches`` passes over ``units`` units (stage 3
+        gathers twice per micro-batch: forward and backward)."""
+        a = micro_batches
+        return units * (a * self.pack + self.land + (a - 1) * self.land_more
+                        + 2 * a * self.gather + self.sync_input + self.sync_unpack + self.step)
+
+
+def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int) -> CopyBytes:
+    """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks."""
+    Q, n = unit_params, unit_params / dp
+    w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
+                  recipe.master_bytes)
+    wd, gd, md = recipe.param_dtype, recipe.grad_dtype, recipe.master_dtype
+    rd = recipe.reduce_dtype or gd
+    if stage == 0:
+        land = 2 * Q * r + _cast(Q, rd, gd, r, g) + 2 * Q * g
+        land_more = land
+    else:
+        land = 2 * n * r + (_cast(n, rd, gd, r, g) if stage == 1 else n * (r + g))
+        land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
+    gather = 2 * Q * w if stage == 3 else 0.0
+    sync_input = sync_unpack = step = 0.0
+    if stage in (1, 2):
+        sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w
+        sync_unpack = 2 * Q * w
+    if md:
+        owned = Q if stage == 0 else n
+        step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)
+    return CopyBytes(Q * (g + r), land, land_more, gather, sync_input, sync_unpack, step)
 
 
 @dataclass(frozen=True)
@@ -114,16 +180,20 @@ class StepTime:
     """Seconds of TP's activation all-reduces (on the compute path, never hidden)."""
     optimizer: float
     """Seconds of the optimizer step on this GPU's shard."""
+    copies: float
+    """Seconds of the engine's own copies (:class:`CopyBytes`) at the memory rate, on the
+    compute stream."""
     comm: float
     """Seconds the data-parallel collectives occupy the link."""
     exposed: float
-    """Seconds the compute stream waits for data-parallel communication."""
+    """Seconds the compute stream waits for data-parallel communication (step less
+    compute, TP, optimizer and copies)."""
     tokens_per_gpu: float
     """Tokens per second per GPU (global tokens per step / step / GPUs)."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("strategy", "step", "compute", "tp_comm",
-                                              "optimizer", "comm", "exposed",
+                                              "optimizer", "copies", "comm", "exposed",
                                               "tokens_per_gpu")}
 
 
@@ -138,27 +208,54 @@ class _Link:
         return self.free
 
 
+def _land(t: float, flying: list[tuple[float, float]]) -> float:
+    """Wait for the reductions in flight, oldest first, landing each (its copy seconds
+    on the compute stream) as ``wait_reduce`` does; returns the compute clock."""
+    for done, land in flying:
+        t = max(t, done) + land
+    flying.clear()
+    return t
+
+
 def _pass(t: float, link: _Link, units: int, compute: float, gather: float | None,
-          prefetch: int, reduce: float | None, flying: list[float],
-          bounded: bool = True) -> float:
+          prefetch: int, reduce: float | None, flying: list[tuple[float, float]],
+          bounded: bool = True, unpack: float = 0.0, pack: float = 0.0,
+          land: float = 0.0) -> float:
     """One forward (``reduce`` None) or backward pass over ``units`` units; returns the
     compute clock at its end. ``gather`` None: the weights are already whole;
-    ``bounded``: at most two reductions in flight."""
+    ``bounded``: at most two reductions in flight; ``unpack``, ``pack``, ``land``: copy
+    seconds of a gather, before a reduction is issued, after it is waited."""
     landed: dict[int, float] = {}
     for k in range(units):
         if gather is not None:
             if k not in landed:  # gathered on use
                 landed[k] = link.run(t, gather)
-            t = max(t, landed[k])
+            t = max(t, landed[k]) + unpack  # Unit.gather: wait, then unpack_into
             for j in range(k + 1, min(units, k + 1 + prefetch)):
                 if j not in landed:  # prefetched once this unit's gather has landed
                     landed[j] = link.run(t, gather)
         t += compute
         if reduce is not None:
-            flying.append(link.run(t, reduce))
+            t += pack  # issue_reduce packs the buffer, then issues
+            flying.append((link.run(t, reduce), land))
             if bounded and len(flying) > 2:  # a third in flight: the oldest lands first
-                t = max(t, flying[-3])
+                t = _land(t, [flying.pop(0)])
     return t
+
+
+def _sync(t: float, link: _Link, units: int, gather: float, make: float,
+          unpack: float) -> float:
+    """Stages 1-2 after the step (``ShardedModel._after_step``): per unit its input is
+    made (``make`` seconds) and its all-gather issued, then the previous unit's is waited
+    and unpacked; the next forward waits for and unpacks the last."""
+    prev = None
+    for _ in range(units):
+        t += make
+        done = link.run(t, gather)
+        if prev is not None:
+            t = max(t, prev) + unpack
+        prev = done
+    return max(t, prev) + unpack
 
 
 def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
@@ -171,6 +268,7 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     tp, stage = schedule.tp, schedule.stage
     dp = dp_degree(gpus, tp)
     acc = cluster.accelerator
+    bw = acc.memory_bandwidth
     rate = acc.peak_flops * acc.efficiency
     units = -(-model.layers // schedule.blocks_per_unit)
     layers_per_unit = model.layers / units
@@ -185,6 +283,7 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
 
     link = cluster.link(gpus)
     unit_params = model.params / tp / units
+    cost = copy_bytes(recipe, stage, unit_params, dp)  # at the memory rate, on compute
     gather = ring_time("all_gather", unit_params * recipe.weight_bytes, dp, link)
     reduce = ring_time("all_reduce" if stage == 0 else "reduce_scatter",
                        unit_params * recipe.reduce_bytes, dp, link)
@@ -193,33 +292,35 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
 
     line = _Link()
     t, flying, ends = 0.0, [], []
-    for _ in range(min(schedule.micro_batches, SIMULATED)):
-        t = _pass(t, line, units, f_unit, g, pf, None, [])
-        t = max([t, *flying])  # a backward starts once the last one's reductions landed
-        flying = []
-        t = _pass(t, line, units, b_unit, g, pf, reduce, flying, bounded=stage > 0)
+    unpack, pack = cost.gather / bw, cost.pack / bw
+    for i in range(min(schedule.micro_batches, SIMULATED)):
+        t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack)
+        t = _land(t, flying)  # a backward starts once the last one's reductions landed
+        t = _pass(t, line, units, b_unit, g, pf, reduce, flying, stage > 0, unpack, pack,
+                  (cost.land if i == 0 else cost.land_more) / bw)
         ends.append(t)
     extra = schedule.micro_batches - len(ends)
     shift = extra * (ends[-1] - ends[-2]) if extra > 0 else 0.0
-    t = max([t, *flying]) + shift  # the step waits for the last reduction
+    t = _land(t, flying) + shift  # the step waits for (and lands) the last reductions
 
     owned = model.params / tp / (dp if stage >= 1 else 1)
     streamed = 2 * (recipe.optimizer_bytes + recipe.weight_bytes) + recipe.grad_bytes
-    optimizer = owned * streamed / acc.memory_bandwidth
-    t += optimizer
-    post = units * ring_time("all_gather", unit_params * recipe.weight_bytes, dp, link) \
-        if stage in (1, 2) else 0.0
-    t += post
+    optimizer = owned * streamed / bw
+    t += optimizer + units * cost.step / bw  # gradient casts before, master casts after
+    post = units * gather if stage in (1, 2) else 0.0
+    if stage in (1, 2):
+        t = _sync(t, line, units, gather, cost.sync_input / bw, cost.sync_unpack / bw)
 
     a = schedule.micro_batches
     compute = a * (1 + 2 + recompute) * fwd
     tp_comm = a * model.layers * (4 + 2 * recompute) * tp_ar
+    copies = cost.per_step(units, a) / bw
     per_pass = units * (gather if stage == 3 else 0.0)
     comm = a * (2 * per_pass + units * reduce) + post
     if not cluster.network.overlap:
-        t = compute + tp_comm + optimizer + comm
-    return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, comm,
-                    max(0.0, t - compute - tp_comm - optimizer),
+        t = compute + tp_comm + optimizer + copies + comm
+    return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, copies, comm,
+                    max(0.0, t - compute - tp_comm - optimizer - copies),
                     work.tokens * a / tp / t)
 
 
