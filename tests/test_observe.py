@@ -105,8 +105,11 @@ def test_activation_bytes_match_hand_count(runs, stage):
 
 def test_planned_persistent_bytes_equal_measured(runs):
     plan, measured, _ = runs["plan"]
-    for k in ("params", "grads", "optimizer"):
+    for k in ("params", "optimizer"):
         assert plan[k] == measured[k], k
+    # gradient shards exist from a unit's first reduction to the step: at a peak inside
+    # backward only the units already reduced hold theirs (the planner's is the bound)
+    assert 0 <= measured["grads"] < plan["grads"]
 
 
 def test_exports_and_peak_statement(runs):

@@ -35,7 +35,7 @@ def measure(units, optimizer=None) -> dict[str, int]:
                 out["grads"] += tensor_bytes(g) if g is not None else 0
             if u.grad_shard is not None:
                 out["buffers"] += tensor_bytes(u.grad_shard)
-        else:
+        elif u.grad_shard is not None:  # between a cycle's first reduction and its step
             out["grads"] += g_real * u.grad_dtype.itemsize
             out["padding"] += (g_slot - g_real) * u.grad_dtype.itemsize
         # optimizer: master slot plus per-element state

@@ -97,10 +97,9 @@ class Unit:
         self.w_shard = None  # 1D [S_w], stage 3: this rank's slot of compute weights
         if stage == 3:
             self.w_shard = torch.cat([buf[self.rank] for buf in self.padded])
-        self.grad_shard = None  # 1D [S_g], stages 2-3: accumulated reduced gradients
-        if stage >= 2:
-            self.grad_shard = torch.zeros(self.g_layout.slot_numel, dtype=self.grad_dtype,
-                                          device=device)
+        # 1D [S_g], stages 1-3: this cycle's reduced gradients (accumulated over its
+        # backwards at stages 2-3); made by the cycle's first reduction, dropped after the step
+        self.grad_shard = None
         self.shards = self._make_shards()
         self.state = UnitState.GATHERED
         self.pending_grads = 0  # trainable parameters yet to accumulate in this backward
@@ -213,10 +212,11 @@ class Unit:
         self.presence = flags.clone() if self.presence is None else self.presence + flags
         if self.stage == 0:
             self._land_full_grads(out[:, :S])
-        elif self.stage == 1:  # round through the stored gradient dtype, as stages 0/2/3 do
+        elif self.stage == 1 or self.fresh:
+            # A view of the reduction's result when the dtypes agree (no copy, and no shard
+            # of gradients held between steps), else rounded into the stored dtype. Stage 1
+            # re-reduces its accumulated full gradients, so the last result is the one.
             self.grad_shard = reduced.to(self.grad_dtype)
-        elif self.fresh:
-            self.grad_shard.copy_(reduced)
         else:  # summed in the reduce dtype, rounded once into the stored dtype
             self.grad_shard.add_(reduced)
         self.fresh = False
@@ -268,7 +268,9 @@ class Unit:
             # holds them until the optimizer's zero_grad(), as torch DDP's gradients do.
             for i in self.trainable:
                 self.params[i].grad = None
-            self.grad_shard = None  # stage 1 keeps full gradients only; the shard was transient
+        # The shards' .grad keep what the step used until zero_grad(); the engine lets go,
+        # so between steps no gradient memory is held (FSDP2 and DDP behave the same).
+        self.grad_shard = None
         if self.master is not None:
             for i in self.trainable:
                 self.shards[i].grad = None  # fp32 copies: free them now

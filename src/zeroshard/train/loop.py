@@ -99,7 +99,12 @@ def train(cfg: TrainConfig) -> dict:
     model.comm_stats(reset=True)
     comm: dict[str, dict[str, int]] = {}  # training steps only, evaluations left out
     try:
+        held: list[dict[str, int]] = []
         for step in range(start, cfg.steps):
+            if step == cfg.steps - 1:  # the memory summary is read where every category is
+                # live: after the last backward, once the engine has landed its reductions
+                optimizer.register_step_pre_hook(
+                    lambda o, a, k: held.append(model.memory(o)) if not held else None)
             if model.profiler is not None:  # steps 2-3: the gather order is recorded by then
                 model.profiler.enabled = start + 1 <= step < start + 3
             t0 = time.perf_counter()
@@ -149,7 +154,7 @@ def train(cfg: TrainConfig) -> dict:
         model.profiler.enabled = False
         profile_report(model, cfg, gpt_cfg, micro, rank, out)
     memories = [None] * world
-    dist.all_gather_object(memories, model.memory(optimizer))
+    dist.all_gather_object(memories, held[0] if held else model.memory(optimizer))
     out.summary(memories, comm, model.config.recipe)
     if cfg.sample_chars:
         prompt = torch.tensor([list(b"The ")], device=device)

@@ -101,6 +101,10 @@ class Reporter:
         t.add_row("peak", f"{total / MB:.3f}", f"{peak_total / MB:.3f}",
                   f"{(peak_total - total) / MB:+.3f} ({(peak_total - total) / total:+.1%})")
         self.console.print(t)
+        if measured.get("grads", 0) < plan.get("grads", 0):
+            self.console.print("gradients are held from a unit's first reduction to the step: "
+                               "at a peak inside backward, only those of the units reduced so "
+                               "far (the planned figure is the bound, reached at the step)")
         self.console.print(f"trace per rank and lifetimes.png in {folder}")
 
     def sample(self, text: str) -> None:
