@@ -48,8 +48,7 @@ TOY_CLUSTER = Cluster(Accelerator("toy", RATE, MEM_BW, efficiency=1.0),
 Q, N_ = 250_000, 125_000
 PACK = Q * (2 + 2) / MEM_BW  # issue_reduce: read g, write r
 LAND0 = (2 * Q * 2 + 2 * Q * 2) / MEM_BW  # div_ of the [N, S] buffer, split_with_sizes_copy
-LAND1 = 2 * N_ * 2 / MEM_BW  # div_ of the [S] slot; .to(bf16) of bf16 is a view
-LAND2 = (2 * N_ * 2 + N_ * (2 + 2)) / MEM_BW  # div_, copy_ into grad_shard
+LAND1 = 2 * N_ * 2 / MEM_BW  # div_ of the [S] slot; grad_shard: .to(bf16) of bf16, a view
 MORE2 = (2 * N_ * 2 + N_ * (2 + 2 * 2)) / MEM_BW  # div_, add_ into grad_shard
 UNPACK = 2 * Q * 2 / MEM_BW  # unpack_into the padded storages (stage 3 gather, wait_sync)
 SYNC_IN = N_ * (4 + 2) / MEM_BW  # stages 1-2: master.to(bf16), the all-gather input
@@ -119,18 +118,18 @@ def test_stage1_post_step_gathers_are_exposed():
     copies = 4 * (PACK + LAND1 + CAST12 + SYNC_IN + UNPACK)
     assert t.copies == pytest.approx(copies)
     assert t.exposed == pytest.approx(t.step - 6 * MS - optimizer(1) - copies)
-    assert toy(2).step == pytest.approx(step(LAND2))  # ZeRO-2 copies into grad_shard
+    assert toy(2).step == pytest.approx(step(LAND1))  # ZeRO-2's grad_shard: a view too
 
 
 def test_stage3_prefetch_one_exposes_the_first_gather_of_each_pass():
     # 2·G + 4F + 4B + the last reduce-scatter, + 8 unpacks and 4 packs on the way, the
     # landing of unit 1 before unit 4's gather and the landing of the last
     t = toy(3, prefetch=1)
-    copies = 8 * UNPACK + 4 * PACK + 2 * LAND2
+    copies = 8 * UNPACK + 4 * PACK + 2 * LAND1
     assert t.step == pytest.approx((0.5 + 2 + 4 + 0.25) * MS + copies + 4 * CAST3
                                    + optimizer(3))
-    assert t.copies == pytest.approx(4 * (2 * UNPACK + PACK + LAND2 + CAST3))
-    assert t.exposed == pytest.approx(0.75 * MS - 2 * LAND2)
+    assert t.copies == pytest.approx(4 * (2 * UNPACK + PACK + LAND1 + CAST3))
+    assert t.exposed == pytest.approx(0.75 * MS - 2 * LAND1)
     assert toy(3, prefetch=2).step == pytest.approx(t.step)
 
 
@@ -138,9 +137,9 @@ def test_stage3_without_prefetch_waits_for_every_gather():
     # forward 4·(G + F); in backward each gather queues behind the previous reduction
     # (which hides unit 1's landing); 8 unpacks, 4 packs and the last landing add
     t = toy(3, prefetch=0)
-    assert t.step == pytest.approx(9.0 * MS + 8 * UNPACK + 4 * PACK + LAND2 + 4 * CAST3
+    assert t.step == pytest.approx(9.0 * MS + 8 * UNPACK + 4 * PACK + LAND1 + 4 * CAST3
                                    + optimizer(3))
-    assert t.exposed == pytest.approx(3.0 * MS - 3 * LAND2)
+    assert t.exposed == pytest.approx(3.0 * MS - 3 * LAND1)
 
 
 def test_three_reductions_in_flight_wait_and_slow_links_serialise():
@@ -171,7 +170,7 @@ def test_accumulation_overlaps_reductions_with_the_next_forward():
     # ZeRO-2's later micro-batches add into grad_shard: no overlap makes it a plain sum
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
     t = step_time(TOY, BF16, WORK, 2, c, Schedule(2, micro_batches=3))
-    copies = 4 * (3 * PACK + LAND2 + 2 * MORE2 + CAST12 + SYNC_IN + UNPACK)
+    copies = 4 * (3 * PACK + LAND1 + 2 * MORE2 + CAST12 + SYNC_IN + UNPACK)
     assert t.copies == pytest.approx(copies)
     # 3 × 6 ms of compute, 3 × 4 reduce-scatters and 4 all-gathers of 0.25 ms
     assert t.step == pytest.approx(18 * MS + 4 * MS + copies + optimizer(2))
@@ -181,7 +180,7 @@ def test_without_overlap_every_collective_adds():
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
     t = step_time(TOY, BF16, WORK, 2, c, Schedule(3))
     # 6 ms of compute, 8 gathers and 4 reduce-scatters of 0.25 ms, every copy
-    copies = 4 * (2 * UNPACK + PACK + LAND2 + CAST3)
+    copies = 4 * (2 * UNPACK + PACK + LAND1 + CAST3)
     assert t.step == pytest.approx(9 * MS + copies + optimizer(3))
     assert t.exposed == pytest.approx(3 * MS)
 
@@ -195,7 +194,7 @@ def test_copy_bytes_per_stage_by_hand():
     # stage 0: div_ over [N, S] 2·Q·r, cast to bf16 Q·(r + g), split_with_sizes_copy 2·Q·g
     assert c[0].land == c[0].land_more == 8000 + 6000 + 4000
     assert c[1].land == c[1].land_more == 2 * 250 * 4 + 250 * (4 + 2)  # div_ [S], .to(bf16)
-    assert c[2].land == c[3].land == 2000 + 250 * (4 + 2)  # div_, copy_ into grad_shard
+    assert c[2].land == c[3].land == 2000 + 250 * (4 + 2)  # div_, grad_shard cast to bf16
     assert c[2].land_more == 2000 + 250 * (4 + 2 * 2)  # div_, add_ into grad_shard
     assert [x.gather for x in c] == [0, 0, 0, 2 * 1000 * 2]  # unpack_into, per gather
     assert [x.sync_input for x in c] == [0, 250 * (4 + 2), 250 * (4 + 2), 0]  # master cast
@@ -204,10 +203,11 @@ def test_copy_bytes_per_stage_by_hand():
     assert [x.step for x in c] == [6000 + 6000, 1500, 1500, 1500 + 1500]
     assert [x.per_step(1, 1) for x in c] == [36000, 16500, 16500, 20500]
     assert c[2].per_step(3, 2) == 3 * (16500 + 6000 + 4000)  # a second pass: pack, add_
-    # fp32 AdamW (no master, nothing to cast): 24Q at stage 0; 2·Q·w/N for the cat input
+    # fp32 AdamW (no master, nothing to cast, grad_shard a view): 24Q at stage 0; the
+    # divide 2·Q·r/N at stages 1-3; 2·Q·w/N for the cat input
     fp32 = get_recipe("fp32-adamw")
     assert [copy_bytes(fp32, s, 1000, 4).per_step(1, 1) for s in range(4)] == [
-        8000 + 16000, 8000 + 2000 + 2000 + 8000, 8000 + 4000 + 2000 + 8000, 8000 + 4000 + 16000]
+        8000 + 16000, 8000 + 2000 + 2000 + 8000, 8000 + 2000 + 2000 + 8000, 8000 + 2000 + 16000]
 
 
 def test_copies_run_on_the_compute_stream():

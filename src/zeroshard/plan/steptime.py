@@ -92,8 +92,8 @@ class CopyBytes:
     land: float
     """The step's first backward, ``wait_reduce``: ``div_`` by N of the [N, ·] buffer
     at stage 0 (``2·Q·r``), of the [S] slot above (``2·Q·r/N``); then stage 0
-    ``_land_full_grads`` (a cast if r ≠ g; ``split_with_sizes_copy`` ``2·Q·g``), stage 1
-    a cast if r ≠ g (else a view), stages 2-3 ``copy_`` into ``grad_shard`` ``Q·(r+g)/N``."""
+    ``_land_full_grads`` (a cast if r ≠ g; ``split_with_sizes_copy`` ``2·Q·g``), stages
+    1-3 ``grad_shard`` made by a cast if r ≠ g (``Q·(r+g)/N``), else a view of the result."""
     land_more: float
     """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
     (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
@@ -128,7 +128,7 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int) -> CopyB
         land = 2 * Q * r + _cast(Q, rd, gd, r, g) + 2 * Q * g
         land_more = land
     else:
-        land = 2 * n * r + (_cast(n, rd, gd, r, g) if stage == 1 else n * (r + g))
+        land = 2 * n * r + _cast(n, rd, gd, r, g)
         land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
     gather = 2 * Q * w if stage == 3 else 0.0
     sync_input = sync_unpack = step = 0.0
