@@ -203,42 +203,39 @@ class Unit:
         self._in_flight = None
         if self.prof:
             self.prof.event("reduce_done", self)
-        S = self.r_layout.slot_numel
-        out.div_(self.comm.dp_world)
-        if self.stage == 0:  # [N, S + F]: every slot, back into the full gradients (DDP)
-            flags = out[0, S:]
-        else:
-            flags, reduced = out[S:], out[:S]
-        self.presence = flags.clone() if self.presence is None else self.presence + flags
-        if self.stage == 0:
+        S, n = self.r_layout.slot_numel, self.comm.dp_world
+        if self.stage == 0:  # [N, S + F]: every slot, averaged into the full gradients (DDP)
             self._land_full_grads(out[:, :S])
-        elif self.stage == 1 or self.fresh:
-            # A view of the reduction's result when the dtypes agree (no copy, and no shard
-            # of gradients held between steps), else rounded into the stored dtype. Stage 1
-            # re-reduces its accumulated full gradients, so the last result is the one.
-            self.grad_shard = reduced.to(self.grad_dtype)
-        else:  # summed in the reduce dtype, rounded once into the stored dtype
-            self.grad_shard.add_(reduced)
+            flags = out[0, S:] / n
+        else:
+            out.div_(n)
+            flags, reduced = out[S:], out[:S]
+            if self.stage == 1 or self.fresh:
+                # A view of the reduction's result when the dtypes agree (no copy, and no
+                # shard of gradients held between steps), else rounded into the stored
+                # dtype. Stage 1 re-reduces its accumulated full gradients: the last counts.
+                self.grad_shard = reduced.to(self.grad_dtype)
+            else:  # summed in the reduce dtype, rounded once into the stored dtype
+                self.grad_shard.add_(reduced)
+        self.presence = flags.clone() if self.presence is None else self.presence + flags
         self.fresh = False
 
-    def _land_full_grads(self, reduced: torch.Tensor) -> None:
-        """Stage 0: the averaged [N, S] buffer back into full gradients, in one copy.
+    def _land_full_grads(self, summed: torch.Tensor) -> None:
+        """Stage 0: the summed [N, S] buffer, divided by N, into full gradients.
 
-        Each gradient gets a padded storage [N, c·row] (the weights' layout), so the
-        buffer's column ranges land with one ``split_with_sizes_copy`` instead of a copy
-        per parameter and rank. The local gradients were freed when the reduction was
-        issued, so this allocation replaces them rather than adding to them. A parameter
-        no rank saw gets zeros here; its presence flag keeps it out of the step."""
-        if reduced.dtype != self.grad_dtype:  # e.g. bf16 gradients reduced in fp32
-            reduced = reduced.to(self.grad_dtype)
-        storages = []
+        Each gradient gets a padded storage [N, c·row] (the weights' layout), so its
+        column range of the buffer lands in one pass that divides, casts to the stored
+        dtype and copies at once (the same quotient, rounded once, as dividing the buffer
+        first). The local gradients were freed when the reduction was issued, so this
+        allocation replaces them rather than adding to them. A parameter no rank saw gets
+        zeros here; its presence flag keeps it out of the step."""
+        n = self.comm.dp_world
         for j, i in enumerate(self.trainable):
             slot = self.r_layout.slots[j]
-            buf = torch.empty(self.comm.dp_world, slot.chunk_numel, dtype=self.grad_dtype,
+            buf = torch.empty(n, slot.chunk_numel, dtype=self.grad_dtype,
                               device=self.device)  # [N, c·row], padded
+            torch.div(summed[:, slot.offset:slot.offset + slot.chunk_numel], n, out=buf)
             self.params[i].grad = buf.view(-1)[:slot.numel].view(self.params[i].shape)
-            storages.append(buf)
-        torch.split_with_sizes_copy(reduced, self.r_layout.split_sizes, dim=1, out=storages)
 
     def assign_step_grads(self, present: list[bool]) -> None:
         """Hand the optimizer this rank's reduced gradients (fp32 for a master copy);
