@@ -90,10 +90,10 @@ class CopyBytes:
     """Each backward, ``issue_reduce``: ``_chunk_cat`` reads the local gradients and
     writes the [N, S+F] buffer, ``Q·(g + r)``."""
     land: float
-    """The step's first backward, ``wait_reduce``: ``div_`` by N of the [N, ·] buffer
-    at stage 0 (``2·Q·r``), of the [S] slot above (``2·Q·r/N``); then stage 0
-    ``_land_full_grads`` (a cast if r ≠ g; ``split_with_sizes_copy`` ``2·Q·g``), stages
-    1-3 ``grad_shard`` made by a cast if r ≠ g (``Q·(r+g)/N``), else a view of the result."""
+    """The step's first backward, ``wait_reduce``: stage 0 ``_land_full_grads`` divides
+    the [N, ·] buffer by N into the full gradients in one pass (``Q·(r + g)``); stages 1-3
+    ``div_`` the [S] slot (``2·Q·r/N``) and make ``grad_shard`` by a cast if r ≠ g
+    (``Q·(r+g)/N``), else as a view of the result."""
     land_more: float
     """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
     (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
@@ -125,7 +125,7 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int) -> CopyB
     wd, gd, md = recipe.param_dtype, recipe.grad_dtype, recipe.master_dtype
     rd = recipe.reduce_dtype or gd
     if stage == 0:
-        land = 2 * Q * r + _cast(Q, rd, gd, r, g) + 2 * Q * g
+        land = Q * (r + g)  # _land_full_grads: divide, cast and copy in one pass
         land_more = land
     else:
         land = 2 * n * r + _cast(n, rd, gd, r, g)
