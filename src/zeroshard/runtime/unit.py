@@ -303,7 +303,17 @@ class Unit:
         work, out, _ = self._sync_work
         work.wait()
         self._sync_work = None
-        self.g_layout.unpack_into(out, [self.padded[i] for i in self.trainable])
+        full = [self.padded[i] for i in self.trainable]  # [N, c·row] each
+        if self.master is not None:  # every rank's rows arrive cast from the master
+            self.g_layout.unpack_into(out, full)
+            return
+        # Without a master the optimizer updated this rank's rows in place: land the
+        # other ranks' rows only, (N-1)/N of the unit, in at most two copies.
+        r = self.rank
+        for rows in (slice(0, r), slice(r + 1, self.world)):
+            if rows.start < rows.stop:
+                torch.split_with_sizes_copy(out[rows], self.g_layout.split_sizes, dim=1,
+                                            out=[t[rows] for t in full])
 
     # -- inspection ------------------------------------------------------------------
     def full_tensors(self) -> dict[str, torch.Tensor]:
