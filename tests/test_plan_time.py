@@ -204,10 +204,11 @@ def test_copy_bytes_per_stage_by_hand():
     assert [x.per_step(1, 1) for x in c] == [24000, 16500, 16500, 20500]
     assert c[2].per_step(3, 2) == 3 * (16500 + 6000 + 4000)  # a second pass: pack, add_
     # fp32 AdamW (no master, nothing to cast, grad_shard a view): 16Q at stage 0; the
-    # divide 2·Q·r/N at stages 1-3; 2·Q·w/N for the cat input
+    # divide 2·Q·r/N at stages 1-3; 2·Q·w/N for the cat input, and the unpack of the
+    # other ranks' rows only, 2·(Q - Q/N)·w
     fp32 = get_recipe("fp32-adamw")
     assert [copy_bytes(fp32, s, 1000, 4).per_step(1, 1) for s in range(4)] == [
-        8000 + 8000, 8000 + 2000 + 2000 + 8000, 8000 + 2000 + 2000 + 8000, 8000 + 2000 + 16000]
+        8000 + 8000, 8000 + 2000 + 2000 + 6000, 8000 + 2000 + 2000 + 6000, 8000 + 2000 + 16000]
 
 
 def test_copies_run_on_the_compute_stream():

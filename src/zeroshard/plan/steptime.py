@@ -103,7 +103,8 @@ class CopyBytes:
     """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, a master
     cast ``Q·(m + w)/N`` (if m ≠ w) or ``torch.cat`` of this rank's rows ``2·Q·w/N``."""
     sync_unpack: float
-    """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``."""
+    """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``; with
+    no master only the other ranks' rows, ``2·(Q - Q/N)·w``."""
     step: float
     """Once per step with a master: ``assign_step_grads``' cast to it if g ≠ m
     (``Q·(g + m)`` at stage 0, ``/N`` above) and ``refresh_compute``'s master copy into
@@ -134,7 +135,7 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int) -> CopyB
     sync_input = sync_unpack = step = 0.0
     if stage in (1, 2):
         sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w
-        sync_unpack = 2 * Q * w
+        sync_unpack = 2 * Q * w if md else 2 * (Q - n) * w  # without a master: the others' rows
     if md:
         owned = Q if stage == 0 else n
         step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)
