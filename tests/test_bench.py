@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "compare.py"
 
 def test_compare_smoke():
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--preset", "tiny", "--steps", "3", "--impl",
+        [sys.executable, str(BENCH), "--preset", "tiny", "--steps", "3", "--rounds", "1", "--impl",
          "zeroshard-1,zeroshard-3,ddp,ddp+zero,fsdp2-reshard,limit"],
         capture_output=True, text=True, timeout=600, check=True).stdout
     losses = dict(re.findall(r"^(\S+)\s+median.*loss ([\d.]+)$", out, re.M))
