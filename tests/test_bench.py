@@ -27,3 +27,19 @@ def test_compare_smoke():
     assert "zeroshard-3:" in out and "x fsdp2-reshard" in out
     live = dict(re.findall(r"^(\S+)\s+median.*live peak\s+([\d.]+) MB", out, re.M))
     assert set(live) == set(losses) and all(float(v) > 0 for v in live.values()), out
+
+
+def test_rounds_are_pooled():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from compare import _combine
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    run = dict(iqr=0.0, state=1, comm=2, live=None)
+    a = {**run, "times": [1.0, 2.0, 3.0], "peak": 10, "loss": 0.5}
+    b = {**run, "times": [4.0, 5.0], "peak": 30, "loss": 0.5}
+    r = _combine([a, b])
+    assert r["median"] == 3.0 and r["times"] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert r["peak"] == 30 and r["live"] is None and r["state"] == 1
+    assert "differs between rounds" in _combine([a, {**b, "loss": 0.6}])["error"]
+    assert _combine([a, {"error": "rank 1 failed"}]) == {"error": "rank 1 failed"}
