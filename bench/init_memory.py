@@ -4,8 +4,9 @@
 
 Each way runs in fresh processes; the figure is the growth of each rank's peak
 resident set (ru_maxrss) while the model is built and sharded, beside the bytes of
-the full model, one unit (a block) and this rank's shards (at stage 3 the weight shard
-and the gradient shard, which is allocated at construction).
+the full model, one unit (a block) and this rank's weight shard (at stage 3 the only
+per-parameter memory a rank holds after construction: gradient shards are made by the
+first backward).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _rank(layers: int, hidden: int, meta: bool) -> dict:
     unit = sum(t.numel() * 4 for t in net.module.blocks[0].parameters())
     full = sum(t.numel() * 4 for t in GPT(cfg).parameters()) if not meta else None
     mem = net.memory()
-    return {"peak": peak, "unit": unit, "shard": mem["params"] + mem["grads"], "full": full}
+    return {"peak": peak, "unit": unit, "shard": mem["params"], "full": full}
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
     meta = spawn(_rank, a.nproc, a.layers, a.hidden, True, timeout=600)[0]
     mb = 1e6
     print(f"full model {whole['full'] / mb:.1f} MB, one unit {whole['unit'] / mb:.1f} MB, "
-          f"rank 0's shards (weights + gradients) {whole['shard'] / mb:.1f} MB (N = {a.nproc})")
+          f"rank 0's weight shard {whole['shard'] / mb:.1f} MB (N = {a.nproc})")
     print(f"peak growth, built whole then sharded: {whole['peak'] / mb:.1f} MB")
     print(f"peak growth, built on meta, one unit at a time: {meta['peak'] / mb:.1f} MB "
           f"= shard + {(meta['peak'] - meta['shard']) / meta['unit']:.2f} units")

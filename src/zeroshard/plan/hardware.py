@@ -126,7 +126,7 @@ _HDR = Link("InfiniBand HDR 200G", 25e9, 10e-6)
 _ROCE100 = Link("RoCE 100GbE", 12.5e9, 15e-6)
 # bench/steptime.py on the project's machine: gloo all-reduce over 127.0.0.1 at N = 2
 # (docs/steptime.md).
-_LOOPBACK = Link("gloo loopback", 1.10e9, 152e-6)
+_LOOPBACK = Link("gloo loopback", 0.92e9, 149e-6)
 
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
@@ -137,7 +137,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         # bench/steptime.py: the GEMM rate of one thread, the efficiency of a one-process
         # GPT medium step against it, and AdamW's effective streaming rate (which the
         # model also charges the engine's copies at).
-        Accelerator("cpu", 172.7e9, 6.24e9, efficiency=0.73),
+        Accelerator("cpu", 151.7e9, 6.04e9, efficiency=0.81),
     )
 }
 
