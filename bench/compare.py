@@ -61,7 +61,8 @@ def _state(impl, net, model, opt) -> int:
     return _bytes(local) + _bytes(grads) + _bytes(states)
 
 
-def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int) -> dict:
+def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int,
+          prefetch: int | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -82,7 +83,8 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int)
     if impl.startswith("zeroshard"):
         import zeroshard as zs
 
-        net = zs.shard(model, stage=int(impl[-1]))
+        options = {} if prefetch is None else {"prefetch": prefetch}
+        net = zs.shard(model, stage=int(impl[-1]), **options)
         opt = torch.optim.AdamW(net.parameters(), lr=lr)
     elif impl in ("ddp", "ddp+zero"):
         from torch.nn.parallel import DistributedDataParallel
@@ -209,6 +211,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of every implementation, interleaved; the timed steps of all "
                         "rounds are pooled (default 2)")
+    p.add_argument("--prefetch", type=int, metavar="K",
+                   help="zeroshard's stage-3 prefetch depth (default: the engine's, 1)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
     if a.rounds < 1:
@@ -230,7 +234,7 @@ def main() -> None:
             n = 1 if impl == "limit" else a.nproc
             try:
                 r = spawn(_rank, n, impl, a.preset, a.steps, a.batch, a.lr, a.nproc,
-                          timeout=900)[0]
+                          a.prefetch, timeout=900)[0]
             except RankFailure as exc:
                 r = {"error": str(exc).splitlines()[-1][:120]}
             runs[impl].append(r)
