@@ -82,9 +82,9 @@ def _cast(n: float, a: str, b: str, a_bytes: int, b_bytes: int) -> float:
 @dataclass(frozen=True)
 class CopyBytes:
     """Bytes (read + write) of the engine's memory-bound copies for one unit of Q
-    parameters over N ranks, per occurrence (``runtime/unit.py``); w, g, r, m: bytes per
-    element of weights, gradients, reduce dtype, master. ``.to`` between equal dtypes
-    copies nothing. Padding and the presence flags are left out."""
+    parameters over N ranks, per occurrence (``runtime/unit.py``, ``runtime/reduce.py``);
+    w, g, r, m: bytes per element of weights, gradients, reduce dtype, master. ``.to``
+    between equal dtypes copies nothing. Padding and the presence flags are left out."""
 
     pack: float
     """Each backward, ``issue_reduce``: ``_chunk_cat`` reads the local gradients and

@@ -42,7 +42,8 @@ from .construct import broadcast_state, build_units, check_same_model
 from .dist import default_device
 from .materialize import Materializer, has_meta
 from .optim import check_optimizer, register_for_step_hooks
-from .unit import Unit, UnitState, issue_reduce
+from .reduce import issue_reduce
+from .unit import Unit, UnitState
 from .units import select_units
 
 
