@@ -42,6 +42,7 @@ from .construct import broadcast_state, build_units, check_same_model
 from .dist import default_device
 from .materialize import Materializer, has_meta
 from .optim import check_optimizer, register_for_step_hooks
+from .prefetch import Prefetcher
 from .reduce import issue_reduce
 from .unit import Unit, UnitState
 from .units import select_units
@@ -92,9 +93,7 @@ class ShardedModel(nn.Module):
         self._unreduced = False  # local gradients accumulated under no_sync()
         self._finalized = False
         self._checked: set[int] = set()
-        # stage 3: the order units were gathered in, on the last pass and on this one
-        self._order: dict[str, list[Unit]] = {"forward": [], "backward": []}
-        self._seen: dict[str, list[Unit]] = {"forward": [], "backward": []}
+        self._prefetch = Prefetcher(config.prefetch, config.prefetch_bucket_size)  # stage 3
         self.profiler = Profiler(self) if config.profile else None
         if self.profiler is not None:
             for u in self.units:
@@ -133,7 +132,7 @@ class ShardedModel(nn.Module):
                 out = self.module(*args, **kwargs)
         else:
             out = self.module(*args, **kwargs)
-        self._end_pass("forward")
+        self._prefetch.end_pass("forward")
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
@@ -150,33 +149,14 @@ class ShardedModel(nn.Module):
                 tensors, lambda grads: self._gather(unit, "backward"), mode="any")
 
     def _gather(self, unit: Unit, phase: str) -> None:
-        """Gather ``unit`` for use, then issue the gathers of the units that followed it
-        on the previous pass of this phase (prefetch), within the configured bounds."""
+        """Gather ``unit`` for use and prefetch the next ones (``prefetch.py``)."""
         if phase == "backward" and self.profiler is not None:
             self.profiler.event("backward_begin", unit)
         if phase == "forward" and torch._C._current_graph_task_id() != -1:
             unit.gather()  # activation checkpointing's recompute: not a forward pass
             return
-        seen, order = self._seen[phase], self._order[phase]
-        seen.append(unit)
-        unit.gather()
-        if not self.config.prefetch or unit not in order:
-            return
-        k = len(seen) - 1 if len(seen) <= len(order) and order[len(seen) - 1] is unit \
-            else order.index(unit)
-        budget = self.config.prefetch_bucket_size
-        held = 0
-        for nxt in order[k + 1:k + 1 + self.config.prefetch]:
-            held += nxt.w_layout.numel
-            if budget and held > budget and nxt is not order[k + 1]:
-                break
-            if nxt.state is UnitState.SHARDED:
-                nxt.start_gather()
-                nxt.prefetched = True
+        self._prefetch.use(unit, phase)
 
-    def _end_pass(self, phase: str) -> None:
-        if self._seen[phase]:
-            self._order[phase], self._seen[phase] = self._seen[phase], []
 
     def _on_backward_begin(self) -> None:
         if self._in_backward:
@@ -243,7 +223,7 @@ class ShardedModel(nn.Module):
         for u in self.units:
             if u.stage == 3 and u.state is not UnitState.SHARDED:
                 u.release()  # used by no backward this step, or prefetched and unused
-        self._end_pass("backward")
+        self._prefetch.end_pass("backward")
         self._unreduced = not self._sync
         self._in_backward = False
 
