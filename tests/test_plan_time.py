@@ -338,6 +338,17 @@ def test_recommend_70b_on_16_h200s_fits():
     assert recommend(model, BF16, 8, 141 * 10**9, H100, 1024, 2048).best is None
 
 
+def test_recommend_headroom_is_a_setting():
+    model = ModelSpec.from_arch(get_preset("llama2-70b"))
+    tight = recommend(model, BF16, 16, 80 * 10**9, H100, 1024, 2048)
+    assert "--headroom sets the share left free" in tight.reasons["none"]
+    rec = recommend(model, BF16, 16, 80 * 10**9, H100, 1024, 2048, headroom=0.0)
+    assert rec.best.stage == 3 and rec.best.memory <= 80 * 10**9
+    assert "(0% headroom)" in rec.reasons["stage"] and rec.as_dict()["headroom"] == 0.0
+    with pytest.raises(ValueError, match="headroom=1.0 must be a fraction in"):
+        recommend(model, BF16, 16, 80 * 10**9, H100, 1024, 2048, headroom=1.0)
+
+
 def test_choose_prefers_the_simpler_configuration_within_one_percent():
     def cand(stage, step, tp=1, ckpt=False):
         t = StepTime("x", step, 0, 0, 0, 0, 0, 0, 1)
@@ -378,6 +389,7 @@ BAD = [
     (["--tp", "3"], "gpus=8 is not divisible by tp=3"),
     (["--tp", "0"], "--tp=0 must be positive"),
     (["--efficiency", "1.5", "--time"], "--efficiency=1.5 must be in (0, 1]"),
+    (["--headroom", "1.5", "--recommend"], "--headroom=1.5 must be a fraction in [0, 1)"),
     (["--prefetch", "-1", "--time"], "--prefetch=-1 must be 0 or more"),
     (["--time", "--recommend"], "--time and --recommend contradict each other"),
     (["--time", "--global-batch", "12"], "--global-batch=12 sequences of 2048 tokens do not"),

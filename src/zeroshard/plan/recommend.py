@@ -93,14 +93,16 @@ class Recommendation:
     runners_up: tuple[Candidate, ...] = ()
     """The fastest configuration of each other (stage, tp, checkpointing), fastest first."""
     budget: int = 0
-    """GPU memory in bytes; configurations use at most (1 - HEADROOM) of it."""
+    """GPU memory in bytes; configurations use at most (1 - headroom) of it."""
+    headroom: float = HEADROOM
+    """The fraction of ``budget`` left free."""
     notes: tuple[str, ...] = ()
     """What zeroshard cannot run but the source documents advise (hybrid sharding)."""
 
     def as_dict(self) -> dict:
         return {"best": self.best.as_dict() if self.best else None, "reasons": self.reasons,
                 "runners_up": [c.as_dict() for c in self.runners_up], "budget": self.budget,
-                "headroom": HEADROOM, "notes": list(self.notes)}
+                "headroom": self.headroom, "notes": list(self.notes)}
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -117,7 +119,7 @@ def _memory(model, recipe, gpus, tp, stage, work, blocks, prefetch) -> int:
 
 def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
            global_batch: int, seq_len: int, flash_attention: bool = False,
-           tp: int | None = None, prefetch: int | None = None):
+           tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM):
     """(every fitting candidate, the smallest need per stage, the TP degrees tried)."""
     if model.hidden is None or model.layers is None:
         raise ValueError("--recommend needs the model's shape: give --hidden and --layers "
@@ -127,7 +129,7 @@ def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cl
     else:
         tps = [k for k in TP_DEGREES if k <= cluster.gpus_per_node and gpus % k == 0
                and (model.heads is None or model.heads % k == 0)]
-    limit = int(budget * (1 - HEADROOM))
+    limit = int(budget * (1 - headroom))
     found, need = [], {}
     for k in tps:
         dp = gpus // k
@@ -175,7 +177,8 @@ def _best_where(found, **fixed) -> Candidate | None:
     return min(pool, key=lambda c: (c.time.step, c.key)) if pool else None
 
 
-def _reasons(best: Candidate, found, need, tps, limit, global_batch, seq_len) -> dict:
+def _reasons(best: Candidate, found, need, tps, limit, global_batch, seq_len,
+             headroom: float) -> dict:
     b = best
     others = []
     for s in range(4):
@@ -185,7 +188,7 @@ def _reasons(best: Candidate, found, need, tps, limit, global_batch, seq_len) ->
         others.append(f"{STRATEGIES[s]} " + (f"{_pct(alt, b)} at best" if alt else
                                              f"does not fit (needs {_gb(need[s])} or more)"))
     why = {"stage": (f"{b.strategy}: the lowest stage within {TIE:.0%} of the fastest that "
-                     f"fits {_gb(limit)} ({HEADROOM:.0%} headroom); " + "; ".join(others))}
+                     f"fits {_gb(limit)} ({headroom:.0%} headroom); " + "; ".join(others))}
     alts = [f"TP {k} " + (f"{_pct(a, b)}" if (a := _best_where(found, stage=b.stage, tp=k))
                           else "does not fit") for k in tps if k != b.tp]
     why["tp"] = (f"{b.tp}: " + ("no tensor parallelism; " if b.tp == 1 else
@@ -251,26 +254,30 @@ def hybrid_note(model, recipe, gpus, cluster, best: Candidate, seq_len: int,
 def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
               global_batch: int, seq_len: int, flash_attention: bool = False,
               tp: int | None = None, prefetch: int | None = None,
-              runners_up: int = 5) -> Recommendation:
-    """The recommended configuration for ``global_batch`` sequences of ``seq_len``."""
+              runners_up: int = 5, headroom: float = HEADROOM) -> Recommendation:
+    """The recommended configuration for ``global_batch`` sequences of ``seq_len``,
+    leaving ``headroom`` (a fraction) of each GPU's memory free."""
     for name, v in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
     found, need, tps = search(model, recipe, gpus, budget, cluster, global_batch, seq_len,
-                              flash_attention, tp, prefetch)
-    limit = int(budget * (1 - HEADROOM))
+                              flash_attention, tp, prefetch, headroom)
+    limit = int(budget * (1 - headroom))
     dps = sorted({gpus // k for k in tps}, reverse=True)
     if all(global_batch % d for d in dps):
         raise ValueError(f"global batch of {global_batch} sequences does not divide over "
                          f"{' or '.join(map(str, dps))} data-parallel ranks")
     if not found:
         fewest = min_gpus(model, recipe, 3, limit, Workload(seq_len, seq_len), step=8)
-        why = (f"nothing fits {_gb(limit)} per GPU ({HEADROOM:.0%} headroom) on {gpus} "
+        why = (f"nothing fits {_gb(limit)} per GPU ({headroom:.0%} headroom) on {gpus} "
                f"GPUs: even ZeRO-3 with checkpointing and one sequence needs "
                f"{_gb(need.get(3, 0))}; " + (
                    f"ZeRO-3 state and activations fit from {fewest.gpus} GPUs"
-                   if fewest.gpus else "no GPU count fits; shorten the sequences"))
-        return Recommendation(None, {"none": why}, (), budget)
+                   if fewest.gpus else "no GPU count fits; shorten the sequences")
+               + (" (--headroom sets the share left free)" if headroom else ""))
+        return Recommendation(None, {"none": why}, (), budget, headroom)
     best = choose(found)
     # the fastest of each other (stage, tp, checkpointing): alternatives, not near-copies
     group = lambda c: (c.stage, c.tp, c.checkpointing)  # noqa: E731
@@ -279,6 +286,7 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
         if group(c) != group(best):
             heads.setdefault(group(c), c)
     note = hybrid_note(model, recipe, gpus, cluster, best, seq_len, limit)
-    return Recommendation(best, _reasons(best, found, need, tps, limit, global_batch, seq_len),
-                          tuple(list(heads.values())[:runners_up]), budget,
+    return Recommendation(best, _reasons(best, found, need, tps, limit, global_batch, seq_len,
+                                         headroom),
+                          tuple(list(heads.values())[:runners_up]), budget, headroom,
                           (note,) if note else ())

@@ -19,7 +19,7 @@ from .hardware import (
     get_network,
 )
 from .memory import Workload, dp_degree
-from .recommend import recommend
+from .recommend import HEADROOM, recommend
 from .steptime import step_times
 
 #: Global batch of --recommend when none is given: 1,024 sequences (2M tokens at 2,048).
@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--prefetch", type=int,
                    help="stage-3 units gathered ahead (default 1; --recommend tries 0-2 "
                         "unless given)")
+    t.add_argument("--headroom", type=float, default=HEADROOM, metavar="FRACTION",
+                   help=f"with --recommend: the share of GPU memory left free "
+                        f"(default {HEADROOM})")
     t.add_argument("--blocks-per-unit", type=int, default=1,
                    help="with --time: transformer blocks per unit (default 1)")
 
@@ -66,6 +69,8 @@ def check(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be positive")
     if args.prefetch is not None and args.prefetch < 0:
         raise ValueError(f"--prefetch={args.prefetch} must be 0 or more")
+    if not 0 <= args.headroom < 1:
+        raise ValueError(f"--headroom={args.headroom} must be a fraction in [0, 1)")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency={args.efficiency} must be in (0, 1]")
     if args.time and args.recommend:
@@ -106,4 +111,4 @@ def run_recommend(args, model, recipe, budget):
     seq = args.seq_len or args.tokens
     return recommend(model, recipe, args.gpus, budget, cluster(args),
                      args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
-                     args.tp, args.prefetch)
+                     args.tp, args.prefetch, headroom=args.headroom)
