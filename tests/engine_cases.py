@@ -352,6 +352,10 @@ def behaviour_grid():
             "rank0_only_changed": not torch.equal(w["rank0_only.weight"],
                                                   before["rank0_only.weight"]),
             "weights": w,
+            # two micro-batches, both synchronised: a parameter no rank used must still
+            # get no gradient, so weight decay leaves it alone
+            "never_changed_accum": torch.equal(train("branchy", stage, steps=2, micros=2)[0][
+                "never.weight"], before["never.weight"]),
         }
         plain = train("mlp", stage, steps=4, micros=2)[0]
         synced = train("mlp", stage, steps=4, micros=2, use_no_sync=True)[0]
@@ -367,6 +371,14 @@ def behaviour_grid():
             out[("refuse", stage, opt_cls)] = None
         except ValueError as exc:
             out[("refuse", stage, opt_cls)] = str(exc)
+    # stage 0, bf16 gradients summed in fp32: the reductions in flight after backward are
+    # bounded (two), or their fp32 buffers would outweigh the bf16 gradients they carry
+    net = zs.shard(build("mlp"), stage=0, mixed_precision="bf16")
+    x, y = batch("mlp", 0)
+    net(x, y).backward()
+    widest = max((u.r_layout.slot_numel + len(u.trainable)) * u.comm.dp_world * 4
+                 for u in net.units)
+    out["bf16_stage0_buffers"] = (net.memory()["buffers"], widest, len(net.units))
     # rank-dependent weights and buffer: sharding makes every rank start from rank 0's
     torch.manual_seed(1234 + dist.get_rank())
     mine = MLP()

@@ -106,7 +106,13 @@ def test_stage3_sends_one_and_a_half_times_ddp(n2):
 def test_unused_and_frozen_parameters(n2, stage):
     r = n2["behaviour"][("branchy", stage)]
     assert r["never_changed"] and not r["frozen_changed"] and r["rank0_only_changed"]
+    assert r["never_changed_accum"]
     assert cases.bit_equal(r["weights"], n2["behaviour"][("branchy", 0)]["weights"])
+
+
+def test_stage0_bounds_wider_reductions_in_flight(n2):
+    buffers, widest, units = n2["behaviour"]["bf16_stage0_buffers"]
+    assert units > 2 and 0 < buffers <= 2 * widest
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

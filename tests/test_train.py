@@ -51,6 +51,24 @@ def test_accumulation_follows_the_same_curve(curves):
         assert abs(a - b) < 1e-5
 
 
+def _one_step(stage):
+    return train(TrainConfig(model="tiny", stage=stage, steps=1, batch=8, eval_every=100,
+                             eval_batches=1, sample_chars=0))["memory"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_memory_summary_of_a_single_step(stage):
+    """The summary reads gradients before the step and the optimizer's state after it,
+    so a run of one step (whose step creates Adam's state) shows both as planned."""
+    from zeroshard.models.gpt import GPT, get_preset
+    from zeroshard.plan import get_recipe, model_state_bytes
+
+    mem = spawn(_one_step, 2, stage, timeout=300)[0]
+    params = sum(p.numel() for p in GPT(get_preset("tiny")).parameters())
+    weights, grads, optimizer = model_state_bytes(params, 2, get_recipe("fp32-adamw"), stage)
+    assert (mem["grads"], mem["optimizer"]) == (grads, optimizer)
+
+
 def test_the_command_trains_and_logs(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     code = main(["train", "--nproc", "2", "--model", "tiny", "--steps", "30", "--eval-every",

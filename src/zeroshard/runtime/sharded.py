@@ -90,6 +90,8 @@ class ShardedModel(nn.Module):
         self._next_reduce = 0
         self._bucket: list[Unit] = []  # ready units whose reduction waits for more
         self._flying: list[list[Unit]] = []  # issued reductions, oldest first
+        u0 = self.units[0]
+        self._bounded = self.stage > 0 or u0.reduce_dtype.itemsize > u0.grad_dtype.itemsize
         self._unreduced = False  # local gradients accumulated under no_sync()
         self._finalized = False
         self._checked: set[int] = set()
@@ -202,16 +204,18 @@ class ShardedModel(nn.Module):
             self._bucket_flush()
 
     def _bucket_flush(self) -> None:
-        """Issue the pending bucket. At stages 1–3 at most two reductions stay in flight:
-        the oldest is landed (its communication buffer freed) before a third starts, so
-        the buffers never add up to another copy of the gradients. Stage 0 needs no bound:
-        its local gradients are freed as their buffer is filled and the buffer is freed
-        as the average lands, so the buffers in flight hold what the gradients would."""
+        """Issue the pending bucket. At most two reductions stay in flight: the oldest is
+        landed (its communication buffer freed) before a third starts, so the buffers
+        never add up to another copy of the gradients. Stage 0 needs no bound when it
+        reduces in the gradients' own dtype: its local gradients are freed as their
+        buffer is filled and the buffer is freed as the average lands, so the buffers in
+        flight hold what the gradients would. Reduced in a wider dtype (bf16 gradients
+        summed in fp32) they would hold more, so the bound applies again."""
         if self._bucket:
             issue_reduce(self._bucket, free_full=self.stage != 1)
             self._flying.append(self._bucket)
             self._bucket = []
-            while self.stage > 0 and len(self._flying) > 2:
+            while self._bounded and len(self._flying) > 2:
                 for u in self._flying.pop(0):
                     u.wait_reduce()
 

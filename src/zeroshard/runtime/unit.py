@@ -205,8 +205,8 @@ class Unit:
             self.prof.event("reduce_done", self)
         S, n = self.r_layout.slot_numel, self.comm.dp_world
         if self.stage == 0:  # [N, S + F]: every slot, averaged into the full gradients (DDP)
-            self._land_full_grads(out[:, :S])
             flags = out[0, S:] / n
+            self._land_full_grads(out[:, :S], (flags > 0).tolist())
         else:
             out.div_(n)
             flags, reduced = out[S:], out[:S]
@@ -220,17 +220,21 @@ class Unit:
         self.presence = flags.clone() if self.presence is None else self.presence + flags
         self.fresh = False
 
-    def _land_full_grads(self, summed: torch.Tensor) -> None:
+    def _land_full_grads(self, summed: torch.Tensor, present: list[bool]) -> None:
         """Stage 0: the summed [N, S] buffer, divided by N, into full gradients.
 
         Each gradient gets a padded storage [N, c·row] (the weights' layout), so its
         column range of the buffer lands in one pass that divides, casts to the stored
         dtype and copies at once (the same quotient, rounded once, as dividing the buffer
         first). The local gradients were freed when the reduction was issued, so this
-        allocation replaces them rather than adding to them. A parameter no rank saw gets
-        zeros here; its presence flag keeps it out of the step."""
+        allocation replaces them rather than adding to them. A parameter no rank saw
+        (``present[j]`` false; reading the flags is a host synchronisation the maths
+        needs) keeps no gradient: a zero one would count as seen in the next backward
+        of the cycle and be stepped with weight decay."""
         n = self.comm.dp_world
         for j, i in enumerate(self.trainable):
+            if not present[j]:
+                continue
             slot = self.r_layout.slots[j]
             buf = torch.empty(n, slot.chunk_numel, dtype=self.grad_dtype,
                               device=self.device)  # [N, c·row], padded

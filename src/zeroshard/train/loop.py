@@ -102,9 +102,12 @@ def train(cfg: TrainConfig) -> dict:
         held: list[dict[str, int]] = []
         for step in range(start, cfg.steps):
             if step == cfg.steps - 1:  # the memory summary is read where every category is
-                # live: after the last backward, once the engine has landed its reductions
+                # live: after the last backward, once the engine has landed its reductions;
+                # the optimizer's state after the step (a first step creates it)
                 optimizer.register_step_pre_hook(
                     lambda o, a, k: held.append(model.memory(o)) if not held else None)
+                optimizer.register_step_post_hook(
+                    lambda o, a, k: held[0].update(optimizer=model.memory(o)["optimizer"]))
             if model.profiler is not None:  # steps 2-3: the gather order is recorded by then
                 model.profiler.enabled = start + 1 <= step < start + 3
             t0 = time.perf_counter()
@@ -162,4 +165,5 @@ def train(cfg: TrainConfig) -> dict:
         model.eval()
         text = GPT.generate(model.module, prompt, cfg.sample_chars, generator=g, forward=model)
         out.sample(decode(text[0].tolist()))
-    return {"losses": losses, "evals": evals, "first_val": first_eval}
+    return {"losses": losses, "evals": evals, "first_val": first_eval,
+            "memory": memories[rank]}
