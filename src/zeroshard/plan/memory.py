@@ -201,13 +201,13 @@ def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
 def comm_bytes(params: int, gpus: int, recipe: Recipe, stage: int, tp: int = 1) -> int:
     """Bytes one GPU sends per step under ring accounting (its 1/tp of the model, over
     the ``gpus / tp`` data-parallel ranks)."""
-    gpus = dp_degree(gpus, tp)
+    dp = dp_degree(gpus, tp)
     grads = _ceil_div(recipe.reduce_bytes * params, tp)
     weights = _ceil_div(recipe.weight_bytes * params, tp)
     if stage == 0:
-        return ring_all_reduce(grads, gpus)
+        return ring_all_reduce(grads, dp)
     gathers = 2 if stage == 3 else 1  # ZeRO-3 gathers for forward and again for backward
-    return ring_one_way(grads, gpus) + gathers * ring_one_way(weights, gpus)
+    return ring_one_way(grads, dp) + gathers * ring_one_way(weights, dp)
 
 
 def plan_strategy(

@@ -291,13 +291,16 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     g = gather if stage == 3 else None
     pf = schedule.prefetch
 
+    # ShardedModel._bucket_flush: two reductions in flight at most, except at stage 0
+    # when it reduces in the gradients' own dtype
+    bounded = stage > 0 or recipe.reduce_bytes > recipe.grad_bytes
     line = _Link()
     t, flying, ends = 0.0, [], []
     unpack, pack = cost.gather / bw, cost.pack / bw
     for i in range(min(schedule.micro_batches, SIMULATED)):
         t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack)
         t = _land(t, flying)  # a backward starts once the last one's reductions landed
-        t = _pass(t, line, units, b_unit, g, pf, reduce, flying, stage > 0, unpack, pack,
+        t = _pass(t, line, units, b_unit, g, pf, reduce, flying, bounded, unpack, pack,
                   (cost.land if i == 0 else cost.land_more) / bw)
         ends.append(t)
     extra = schedule.micro_batches - len(ends)

@@ -258,8 +258,9 @@ class ShardedModel(nn.Module):
             self._unreduced = False
         for u in self._reduce_order:
             u.wait_reduce()
-        # Which parameters some rank saw: the one host synchronisation of the step (a
-        # parameter no rank used gets no update, as under torch DDP), for all units at once.
+        # Which parameters some rank saw (a parameter no rank used gets no update, as under
+        # torch DDP): one host synchronisation for all units at once. Stage 0 has also read
+        # each unit's flags as it landed them (Unit._land_full_grads).
         counted = [u for u in self._reduce_order if u.presence is not None]
         if counted:
             present = (torch.cat([u.presence for u in counted]) > 0).tolist()
