@@ -200,6 +200,9 @@ BAD = [
     (["--strategy", "ZeRO-9"], "unknown strategy 'ZeRO-9'"),
     (["--sweep", "8,x"], "--sweep='8,x' must be comma-separated"),
     (["--gpus", "many"], "argument --gpus: invalid int value"),
+    (["--html", "/nonexistent/dir/plan.html"], "--html=/nonexistent/dir/plan.html: folder "
+                                                "/nonexistent/dir does not exist"),
+    (["--plot", "/nonexistent/plan.png"], "--plot=/nonexistent/plan.png: folder"),
 ]
 
 

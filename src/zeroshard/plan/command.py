@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import advice, render, timecmd
@@ -119,6 +120,17 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"--{name}={value} must be positive")
 
 
+def _writable(flag: str, path: str | None) -> None:
+    """An output file's folder must exist and take writes: found before any work."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--{flag}={path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--{flag}={path}: folder {folder} is not writable")
+
+
 def _sweep(spec: str) -> list[int]:
     try:
         counts = [int(x) for x in spec.split(",") if x.strip()]
@@ -139,6 +151,8 @@ def run(args) -> int:
     if args.flash_attention and not args.no_checkpointing and not args.recommend:
         raise ValueError("--flash-attention only applies with --no-checkpointing")
     timecmd.check(args)
+    _writable("html", args.html)
+    _writable("plot", args.plot)
     model = resolve_model(args)
     recipe = get_recipe(args.precision)
     if args.reduce_dtype:
