@@ -393,3 +393,63 @@ def behaviour_grid():
     except ValueError as exc:
         out["mismatch"] = str(exc)
     return out
+
+
+def collectives_grid():
+    """The engine's reduce-scatter and all-gather (on gloo: an all-reduce in place and
+    N broadcasts, ``runtime/collectives.py``) against torch's own, bit for bit, over the
+    whole world and over two halves of it; then stages 0-3 trained over the halves."""
+    from zeroshard.observe.ledger import Ledger
+    from zeroshard.runtime.collectives import Collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    halves = [dist.new_group(list(range(k, k + world // 2))) for k in (0, world // 2)]
+    mine = halves[rank // (world // 2)]
+    out = {}
+    for name, group in (("world", None), ("half", mine)):
+        comm = Collectives(Ledger(), group)
+        n, r = comm.dp_world, comm.dp_rank
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(7 + rank)
+            inp = torch.randn(n * 1001, generator=g).to(dtype)  # 1D [N·S], odd S
+            ref = torch.empty(1001, dtype=dtype)
+            dist.reduce_scatter_tensor(ref, inp.clone(), group=group)
+            got = torch.empty(1001, dtype=dtype)
+            work = comm.reduce_scatter(got, inp.clone(), async_op=True)
+            work.wait()
+            got_once = got.clone()
+            work.wait()  # a bucket's units each wait: the result must not change
+            shard = torch.randn(999, generator=g).to(dtype)
+            ref_g = torch.empty(n * 999, dtype=dtype)
+            dist.all_gather_into_tensor(ref_g, shard, group=group)
+            gathered = torch.empty(n, 999, dtype=dtype)
+            comm.all_gather(gathered, shard)
+            inplace = torch.empty(n, 999, dtype=dtype)
+            inplace[r].copy_(shard)
+            comm.all_gather(inplace, inplace[r], async_op=True).wait()
+            out[(name, str(dtype))] = {
+                "reduce_scatter": torch.equal(got_once, ref) and torch.equal(got, ref),
+                "all_gather": torch.equal(gathered.view(-1), ref_g),
+                "in_place": torch.equal(inplace.view(-1), ref_g),
+            }
+        out[(name, "ledger")] = comm.ledger.comm_stats()
+    # Each half trains the MLP on the same batches: its stages agree bit for bit, and
+    # so do the two halves.
+    half_rank, half_world = dist.get_rank(mine), dist.get_world_size(mine)
+    weights = []
+    for stage in range(4):
+        net = zs.shard(build("mlp"), stage=stage, group=mine)
+        opt = make_optimizer("adamw", net.named_parameters())
+        for step in range(3):
+            x, y = batch("mlp", step, rank=half_rank, world=half_world)
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        weights.append(net.full_state_dict())
+    others = [None] * world
+    dist.all_gather_object(others, weights[0])
+    out["half_training"] = {
+        "stages_bit_equal": all(bit_equal(w, weights[0]) for w in weights),
+        "halves_bit_equal": bit_equal(others[0], others[-1]),
+    }
+    return out

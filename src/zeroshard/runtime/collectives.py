@@ -2,6 +2,22 @@
 it in the ledger. Gradients and parameters travel on separate process groups so that
 a rank whose reductions start late (an unused parameter) cannot pair its reduce with
 another rank's gather: each group sees its collectives in the same order on every rank.
+
+[Note: gloo] On CPU tensors over gloo, reduce-scatter and all-gather are realised with
+gloo's in-place collectives instead of torch's gloo reduce-scatter and all-gather, which
+stage their data through extra full-size copies:
+
+- gloo's reduce-scatter runs an all-reduce on a copy of its input. An all-reduce of the
+  input in place, then this rank's slot copied out, sums every element in the same
+  order (the same bits) without the copy; measured on 2 CPU cores, 2-4 ranks, a 7 MB
+  buffer: about half the time, and one input-sized copy less while in flight.
+- gloo's all-gather gathers into a fresh flat buffer the size of the output and copies
+  it out when done. N broadcasts in place, rank k's from rank k into slot k of the
+  output, move the same bytes per rank and need no buffer: about half the time, and one
+  output-sized buffer less in flight (at stage 3 a prefetched unit held twice its size).
+
+The ledger records the collective the algorithm performs (ZeRO's accounting), so
+measured and planned bytes stay the same quantity whatever the backend runs.
 """
 
 from __future__ import annotations
@@ -26,51 +42,94 @@ class Collectives:
         self.group = group
         self.dp_rank = dist.get_rank(group)
         self.dp_world = dist.get_world_size(group)
-        # One more group with the same ranks, for gradient reductions only.
-        self.reduce_group = dist.new_group(dist.get_process_group_ranks(group)
-                                           if group is not None else None)
+        # One more group with the same ranks, for gradient reductions only. Only its
+        # members create a sub-group's twin: ranks of other data-parallel groups (HSDP's
+        # replicas) are creating their own at the same time, with other ranks.
+        self.reduce_group = (dist.new_group() if group is None else dist.new_group(
+            dist.get_process_group_ranks(group), use_local_synchronization=True))
         self.trace: list[dict] | None = None  # profiling: one record per call
+        self._gloo = "gloo" in str(dist.get_backend(group))
 
     def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool):
-        """Record the call in the ledger and, when profiling, in the collective trace."""
+        """Record the call in the ledger and, when profiling, in the collective trace;
+        ``call()`` issues it asynchronously and returns its work handle."""
         nbytes = t.numel() * t.element_size()
         self.ledger.record(kind, nbytes, self.dp_world)
-        if self.trace is None:
-            return call()
-        rec = {"kind": kind, "unit": unit, "bytes": nbytes, "issued": time.perf_counter()}
-        self.trace.append(rec)
+        rec = None
+        if self.trace is not None:
+            rec = {"kind": kind, "unit": unit, "bytes": nbytes, "issued": time.perf_counter()}
+            self.trace.append(rec)
         work = call()
+        if rec is not None:
+            work = _TracedWork(work, rec)
         if not async_op:
-            rec["done"] = time.perf_counter()
-            rec["waited"] = rec["done"] - rec["issued"]
-            return work
-        return _TracedWork(work, rec)
+            work.wait()
+            return None
+        return work
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, grads: bool = False,
                    async_op: bool = False, unit=None):
         """Reduce ``t`` over ranks in place (a sum unless ``op`` says otherwise)."""
         group = self.reduce_group if grads else self.group
         return self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
-            t, op=op, group=group, async_op=async_op), async_op)
+            t, op=op, group=group, async_op=True), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
                        unit=None):
-        """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot."""
-        return self._issue("reduce_scatter", inp, unit, lambda: _reduce_scatter(
-            out.view(-1), inp.view(-1), group=self.reduce_group, async_op=async_op), async_op)
+        """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot. On
+        gloo ``inp`` is summed in place (every slot: it holds the sums afterwards)."""
+        if self._on_gloo(inp):  # [Note: gloo]
+            def call():
+                work = dist.all_reduce(inp, group=self.reduce_group, async_op=True)
+                slot = inp.view(self.dp_world, -1)[self.dp_rank]
+                return _Then(work, then=lambda: out.view(-1).copy_(slot))
+        else:
+            def call():
+                return _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
+                                       async_op=True)
+        return self._issue("reduce_scatter", inp, unit, call, async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
                    unit=None):
         """``out`` (N × ``inp``) receives every rank's ``inp`` in rank order."""
-        # gloo splits the output on dim 0 and wants each piece shaped like the input
-        return self._issue("all_gather", out, unit, lambda: _all_gather(
-            out.view(-1), inp.view(-1), group=self.group, async_op=async_op), async_op)
+        if self._on_gloo(out):  # [Note: gloo]
+            def call():
+                slots = out.view(self.dp_world, -1)  # [N, numel(inp)]
+                if slots[self.dp_rank].data_ptr() != inp.data_ptr():
+                    slots[self.dp_rank].copy_(inp.view(-1))
+                return _Then(*[dist.broadcast(slots[k], group_src=k, group=self.group,
+                                              async_op=True) for k in range(self.dp_world)])
+        else:
+            def call():
+                return _all_gather(out.view(-1), inp.view(-1), group=self.group,
+                                   async_op=True)
+        return self._issue("all_gather", out, unit, call, async_op)
+
+    def _on_gloo(self, t: torch.Tensor) -> bool:
+        return self._gloo and t.device.type == "cpu" and self.dp_world > 1
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``t`` to every rank."""
         root = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return self._issue("broadcast", t, None,
-                           lambda: dist.broadcast(t, src=root, group=self.group), False)
+        return self._issue("broadcast", t, None, lambda: dist.broadcast(
+            t, src=root, group=self.group, async_op=True), False)
+
+
+class _Then:
+    """Work handles waited as one, then ``then()`` once: ``wait()`` may be called again
+    (the units of a reduce bucket share one handle) and does nothing more."""
+
+    def __init__(self, *works, then=None):
+        self.works, self.then, self.done = works, then, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            self.then()
+        self.done = True
 
 
 class _TracedWork:

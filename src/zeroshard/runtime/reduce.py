@@ -46,7 +46,6 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
         out = torch.empty(base, dtype=first.reduce_dtype, device=first.device)
         work = comm.reduce_scatter(out, buf, async_op=True, unit=label)
         parts = [out[a:b] for a, b in spans]
-    work = _WaitOnce(work)
     for u, part in zip(units, parts):
         u._in_flight = (work, buf, part)
         if free_full:
@@ -54,17 +53,3 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
                 u.params[i].grad = None
         if u.prof:
             u.prof.event("reduce_issued", u)
-
-
-class _WaitOnce:
-    """A work handle shared by the units of a bucket. gloo copies a reduce-scatter's
-    result into the output on every ``wait()``, which would undo the averaging that
-    the units before have done in their part of it; so the bucket waits once."""
-
-    def __init__(self, work):
-        self.work, self.done = work, False
-
-    def wait(self) -> None:
-        if not self.done:
-            self.work.wait()
-            self.done = True

@@ -292,12 +292,13 @@ class Unit:
                     w_views[i].copy_(self.shards[i].detach())
         else:  # stages 1-2: all-gather the updated rows into every rank's full weights
             self.wait_sync()
-            if self.master is not None:
-                inp = self.master.to(self.compute_dtype)
-            else:
-                inp = torch.cat([self.padded[i][self.rank] for i in self.trainable])
             out = torch.empty(self.world, self.g_layout.slot_numel, dtype=self.compute_dtype,
                               device=self.device)
+            inp = out[self.rank]  # in place: this rank's slot is the gather's input
+            if self.master is not None:
+                inp.copy_(self.master)
+            else:
+                torch.cat([self.padded[i][self.rank] for i in self.trainable], out=inp)
             self._sync_work = (self.comm.all_gather(out, inp, async_op=True, unit=self.index),
                                out, inp)
 
