@@ -117,7 +117,7 @@ def predict(run: dict, overlap: bool) -> list:
     link = Link("gloo loopback", run["beta"], run["alpha"])
     cluster = Cluster(Accelerator("cpu", run["gemm_rate"], run["optimizer_rate"],
                                   run["efficiency"]),
-                      Network("loopback", link, link, overlap), gpus_per_node=2)
+                      Network("loopback", link, link, overlap, gloo=True), gpus_per_node=2)
     # compare.py trains in fp32 and reduces in fp32
     return [step_time(model, get_recipe("fp32-adamw"), work, 2, cluster, Schedule(stage))
             for stage in range(4)]

@@ -185,6 +185,29 @@ def test_without_overlap_every_collective_adds():
     assert t.exposed == pytest.approx(3 * MS)
 
 
+def test_gloo_reduces_as_all_reduce_and_counts_its_copies():
+    # one unit of Q = 1,000 over N = 4 (n = 250): on gloo stages 1-3 copy the reduced
+    # slot out of the all-reduced buffer (2·n·r) and stage 3 copies its shard into the
+    # gather's slot (2·n·w); stage 0 is unchanged
+    mixed = BF16.with_reduce_dtype("fp32")
+    plain = [copy_bytes(mixed, s, 1000, 4) for s in range(4)]
+    gloo = [copy_bytes(mixed, s, 1000, 4, gloo=True) for s in range(4)]
+    assert gloo[0] == plain[0]
+    for s in (1, 2, 3):
+        assert gloo[s].land - plain[s].land == gloo[s].land_more - plain[s].land_more == 2000
+    assert gloo[3].gather - plain[3].gather == 2 * 250 * 2
+    assert [g.gather for g in gloo[:3]] == [0, 0, 0]
+    # without overlap every collective adds: stage 3's 4 reductions now take an
+    # all-reduce's 0.5 ms (8 gathers of 0.25 ms as before)
+    c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False,
+                                                 gloo=True))
+    t = step_time(TOY, BF16, WORK, 2, c, Schedule(3))
+    copies = 4 * (2 * UNPACK + PACK + LAND1 + CAST3)
+    extra = 4 * (2 * N_ * 2 + 2 * (2 * N_ * 2)) / MEM_BW  # per unit: a landing, 2 gathers
+    assert t.copies == pytest.approx(copies + extra)
+    assert t.step == pytest.approx(10 * MS + copies + extra + optimizer(3))
+
+
 def test_copy_bytes_per_stage_by_hand():
     # one unit of Q = 1,000 parameters over N = 4 ranks (n = 250 owned); bf16 weights and
     # gradients reduced in fp32 (the engine's default under bf16): w = g = 2, r = m = 4

@@ -87,6 +87,11 @@ class Network:
     """Collectives run beside compute (GPU copy engines and NCCL kernels). False: the
     transfers take the cores that compute runs on (gloo on a CPU), so nothing hides and
     every second of communication adds to the step."""
+    gloo: bool = False
+    """The collectives run on gloo, where the engine realises a reduce-scatter as an
+    all-reduce in place (twice the ring bytes, then its slot copied out) and an
+    all-gather as N broadcasts in place (the shard copied into its slot first); see
+    ``runtime/collectives.py``."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,7 @@ NETWORKS: dict[str, Network] = {
         Network("nvlink3-hdr", _NVLINK3, _HDR),
         Network("pcie4-roce", _PCIE4, _ROCE100),
         Network("pcie5-ndr", _PCIE5, _NDR),
-        Network("loopback", _LOOPBACK, _LOOPBACK, overlap=False),
+        Network("loopback", _LOOPBACK, _LOOPBACK, overlap=False, gloo=True),
     )
 }
 

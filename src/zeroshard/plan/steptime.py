@@ -93,15 +93,18 @@ class CopyBytes:
     """The step's first backward, ``wait_reduce``: stage 0 ``_land_full_grads`` divides
     the [N, ·] buffer by N into the full gradients in one pass (``Q·(r + g)``); stages 1-3
     ``div_`` the [S] slot (``2·Q·r/N``) and make ``grad_shard`` by a cast if r ≠ g
-    (``Q·(r+g)/N``), else as a view of the result."""
+    (``Q·(r+g)/N``), else as a view of the result. On gloo stages 1-3 first copy their
+    slot out of the all-reduced buffer (``2·Q·r/N``)."""
     land_more: float
     """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
     (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
     gather: float
-    """Stage 3, each gather (forward and backward): ``unpack_into`` ``2·Q·w``."""
+    """Stage 3, each gather (forward and backward): ``unpack_into`` ``2·Q·w``; on gloo
+    also the shard copied into its slot of the output (``2·Q·w/N``)."""
     sync_input: float
-    """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, a master
-    cast ``Q·(m + w)/N`` (if m ≠ w) or ``torch.cat`` of this rank's rows ``2·Q·w/N``."""
+    """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, written
+    into its slot of the output, a master cast ``Q·(m + w)/N`` (if m ≠ w) or
+    ``torch.cat`` of this rank's rows ``2·Q·w/N``."""
     sync_unpack: float
     """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``; with
     no master only the other ranks' rows, ``2·(Q - Q/N)·w``."""
@@ -118,8 +121,10 @@ class CopyBytes:
                         + 2 * a * self.gather + self.sync_input + self.sync_unpack + self.step)
 
 
-def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int) -> CopyBytes:
-    """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks."""
+def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
+               gloo: bool = False) -> CopyBytes:
+    """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks;
+    ``gloo``: with the copies the engine adds around gloo's in-place collectives."""
     Q, n = unit_params, unit_params / dp
     w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
                   recipe.master_bytes)
@@ -131,7 +136,9 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int) -> CopyB
     else:
         land = 2 * n * r + _cast(n, rd, gd, r, g)
         land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
-    gather = 2 * Q * w if stage == 3 else 0.0
+    if gloo and stage > 0:  # the reduced slot copied out of the all-reduced buffer
+        land, land_more = land + 2 * n * r, land_more + 2 * n * r
+    gather = 2 * Q * w + (2 * n * w if gloo else 0.0) if stage == 3 else 0.0
     sync_input = sync_unpack = step = 0.0
     if stage in (1, 2):
         sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w
@@ -284,9 +291,10 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
 
     link = cluster.link(gpus)
     unit_params = model.params / tp / units
-    cost = copy_bytes(recipe, stage, unit_params, dp)  # at the memory rate, on compute
+    gloo = cluster.network.gloo
+    cost = copy_bytes(recipe, stage, unit_params, dp, gloo)  # at the memory rate, on compute
     gather = ring_time("all_gather", unit_params * recipe.weight_bytes, dp, link)
-    reduce = ring_time("all_reduce" if stage == 0 else "reduce_scatter",
+    reduce = ring_time("all_reduce" if stage == 0 or gloo else "reduce_scatter",
                        unit_params * recipe.reduce_bytes, dp, link)
     g = gather if stage == 3 else None
     pf = schedule.prefetch
