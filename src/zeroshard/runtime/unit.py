@@ -54,9 +54,10 @@ class Unit:
         self.w_layout = ShardLayout([tuple(p.shape) for p in self.params], self.world)
         self.g_layout = ShardLayout([tuple(self.params[i].shape) for i in self.trainable],
                                     self.world)
-        # Gradients always travel in the N-slot layout, stage 0 included: gloo runs a
-        # reduce-scatter as an all-reduce of its input, so an all-reduce of the same buffer
-        # sums every element in the same order, and stage 0 matches stages 1-3 bit for bit.
+        # Gradients always travel in the N-slot layout, stage 0 included: on gloo a
+        # reduce-scatter is an all-reduce of its input (collectives.py), so stage 0's
+        # all-reduce of the same buffer sums every element in the same order, and stage 0
+        # matches stages 1-3 bit for bit.
         self.r_layout = ShardLayout([s.shape for s in self.g_layout.slots], comm.dp_world)
         self.compute_dtype = TORCH_DTYPES[recipe.param_dtype]
         self.grad_dtype = TORCH_DTYPES[recipe.grad_dtype]
