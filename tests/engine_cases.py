@@ -400,13 +400,17 @@ def collectives_grid():
     N broadcasts, ``runtime/collectives.py``) against torch's own, bit for bit, over the
     whole world and over two halves of it; then stages 0-3 trained over the halves."""
     from zeroshard.observe.ledger import Ledger
+    from zeroshard.runtime import collectives
     from zeroshard.runtime.collectives import Collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
     halves = [dist.new_group(list(range(k, k + world // 2))) for k in (0, world // 2)]
     mine = halves[rank // (world // 2)]
     out = {}
-    for name, group in (("world", None), ("half", mine)):
+    for name, group, broadcast_max in (("world", None, 4), ("half", mine, 4),
+                                       ("world_all_gather", None, 1)):
+        # broadcast_max 1: the all-gather above GLOO_BROADCAST_MAX ranks (torch's own)
+        collectives.GLOO_BROADCAST_MAX = broadcast_max
         comm = Collectives(Ledger(), group)
         n, r = comm.dp_world, comm.dp_rank
         for dtype in (torch.float32, torch.bfloat16):
@@ -433,6 +437,7 @@ def collectives_grid():
                 "in_place": torch.equal(inplace.view(-1), ref_g),
             }
         out[(name, "ledger")] = comm.ledger.comm_stats()
+    collectives.GLOO_BROADCAST_MAX = 4
     # Each half trains the MLP on the same batches: its stages agree bit for bit, and
     # so do the two halves.
     half_rank, half_world = dist.get_rank(mine), dist.get_world_size(mine)

@@ -202,15 +202,16 @@ def test_demo_zero1_is_exact_n4(n4):
 
 def test_collectives_match_torch_n4(n4):
     """gloo's reduce-scatter and all-gather as the engine runs them (an all-reduce in
-    place, N broadcasts) give torch's results bit for bit, on the world and on a
-    sub-group, in fp32 and bf16, in place, and unchanged by a second wait; the ledger
-    records the collective the algorithm performs."""
+    place, N broadcasts; torch's all-gather above GLOO_BROADCAST_MAX ranks) give torch's
+    results bit for bit, on the world and on a sub-group, in fp32 and bf16, in place,
+    and unchanged by a second wait; the ledger records the collective the algorithm
+    performs."""
     r = n4["collectives"]
-    for group in ("world", "half"):
+    for group in ("world", "half", "world_all_gather"):
         for dtype in ("torch.float32", "torch.bfloat16"):
             assert all(r[(group, dtype)].values()), (group, dtype, r[(group, dtype)])
         ledger = r[(group, "ledger")]
-        n = 4 if group == "world" else 2
+        n = 2 if group == "half" else 4
         assert set(ledger) == {"reduce_scatter", "all_gather"}, ledger
         assert ledger["reduce_scatter"]["calls"] == 2 and ledger["all_gather"]["calls"] == 4
         # per dtype: a reduce-scatter of N·1001 elements, two all-gathers of N·999

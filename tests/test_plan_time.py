@@ -196,6 +196,8 @@ def test_gloo_reduces_as_all_reduce_and_counts_its_copies():
     for s in (1, 2, 3):
         assert gloo[s].land - plain[s].land == gloo[s].land_more - plain[s].land_more == 2000
     assert gloo[3].gather - plain[3].gather == 2 * 250 * 2
+    # above GLOO_BROADCAST_MAX ranks torch's all-gather copies its flat output out: 2·Q·w
+    assert copy_bytes(mixed, 3, 1000, 8, gloo=True).gather == 2 * (2 * 1000 * 2)
     assert [g.gather for g in gloo[:3]] == [0, 0, 0]
     # without overlap every collective adds: stage 3's 4 reductions now take an
     # all-reduce's 0.5 ms (8 gathers of 0.25 ms as before)

@@ -73,6 +73,12 @@ class Link:
             raise ValueError(f"{self.name}: latency={self.latency!r} must be a number >= 0")
 
 
+#: The most ranks at which the engine runs an all-gather on gloo as broadcasts in place
+#: (``runtime/collectives.py``); above, torch's gloo all-gather, which stages the
+#: output through a flat copy.
+GLOO_BROADCAST_MAX = 4
+
+
 @dataclass(frozen=True)
 class Network:
     """Two levels: GPUs of one node share ``intra``; nodes talk over ``inter``."""
@@ -90,8 +96,9 @@ class Network:
     gloo: bool = False
     """The collectives run on gloo, where the engine realises a reduce-scatter as an
     all-reduce in place (twice the ring bytes, then its slot copied out) and an
-    all-gather as N broadcasts in place (the shard copied into its slot first); see
-    ``runtime/collectives.py``."""
+    all-gather as N broadcasts in place (the shard copied into its slot first; above
+    ``GLOO_BROADCAST_MAX`` ranks torch's all-gather, its output copied out of a flat
+    buffer); see ``runtime/collectives.py``."""
 
 
 @dataclass(frozen=True)

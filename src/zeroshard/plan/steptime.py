@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import ModelSpec
-from .hardware import Cluster, Link
+from .hardware import GLOO_BROADCAST_MAX, Cluster, Link
 from .memory import STRATEGIES, Workload, dp_degree
 from .recipes import Recipe
 
@@ -100,7 +100,8 @@ class CopyBytes:
     (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
     gather: float
     """Stage 3, each gather (forward and backward): ``unpack_into`` ``2·Q·w``; on gloo
-    also the shard copied into its slot of the output (``2·Q·w/N``)."""
+    also the shard copied into its slot of the output (``2·Q·w/N``), or above
+    ``GLOO_BROADCAST_MAX`` ranks torch's copy out of its flat buffer (``2·Q·w``)."""
     sync_input: float
     """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, written
     into its slot of the output, a master cast ``Q·(m + w)/N`` (if m ≠ w) or
@@ -138,7 +139,10 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
         land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
     if gloo and stage > 0:  # the reduced slot copied out of the all-reduced buffer
         land, land_more = land + 2 * n * r, land_more + 2 * n * r
-    gather = 2 * Q * w + (2 * n * w if gloo else 0.0) if stage == 3 else 0.0
+    gather = 0.0
+    if stage == 3:  # on gloo: the shard into its slot, or (above it) torch's staging copy
+        staged = (2 * n * w if dp <= GLOO_BROADCAST_MAX else 2 * Q * w) if gloo else 0.0
+        gather = 2 * Q * w + staged
     sync_input = sync_unpack = step = 0.0
     if stage in (1, 2):
         sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w

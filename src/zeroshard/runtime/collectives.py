@@ -15,6 +15,9 @@ stage their data through extra full-size copies:
   it out when done. N broadcasts in place, rank k's from rank k into slot k of the
   output, move the same bytes per rank and need no buffer: about half the time, and one
   output-sized buffer less in flight (at stage 3 a prefetched unit held twice its size).
+  Up to ``GLOO_BROADCAST_MAX`` ranks only, the range measured: each broadcast is a
+  binomial tree of ⌈log2 N⌉ hops, and past a few ranks N of them, two at a time on
+  gloo's worker threads, are not known to beat its all-gather.
 
 The ledger records the collective the algorithm performs (ZeRO's accounting), so
 measured and planned bytes stay the same quantity whatever the backend runs.
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..observe.ledger import Ledger
+from ..plan.hardware import GLOO_BROADCAST_MAX
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -92,7 +96,7 @@ class Collectives:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
                    unit=None):
         """``out`` (N × ``inp``) receives every rank's ``inp`` in rank order."""
-        if self._on_gloo(out):  # [Note: gloo]
+        if self._on_gloo(out) and self.dp_world <= GLOO_BROADCAST_MAX:  # [Note: gloo]
             def call():
                 slots = out.view(self.dp_world, -1)  # [N, numel(inp)]
                 if slots[self.dp_rank].data_ptr() != inp.data_ptr():
