@@ -43,3 +43,17 @@ def test_rounds_are_pooled():
     assert r["peak"] == 30 and r["live"] is None and r["state"] == 1
     assert "differs between rounds" in _combine([a, {**b, "loss": 0.6}])["error"]
     assert _combine([a, {"error": "rank 1 failed"}]) == {"error": "rank 1 failed"}
+
+
+def test_gloo_collectives_smoke():
+    """The engine's gloo collectives give torch's results bit for bit, and hold no
+    staging copy of the gathered buffer in flight (torch's all-gather holds one)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH.parent / "gloo_collectives.py"), "--mb", "4", "--ranks", "2"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = re.findall(r"^\s+2\s+(\w+)\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+([\d.]+)\s+([\d.]+)\s+(\w+)$",
+                      out, re.M)
+    assert {r[0] for r in rows} == {"reduce_scatter", "all_gather"}, out
+    assert all(r[3] == "True" for r in rows), out
+    gather = next(r for r in rows if r[0] == "all_gather")
+    assert float(gather[1]) >= 3.9 and float(gather[2]) < 1.0, out  # a 4 MB buffer, or none
