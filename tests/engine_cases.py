@@ -404,11 +404,15 @@ def collectives_grid():
     from zeroshard.runtime.collectives import Collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    # a group of the halves' first ranks: members of one half now belong to different
+    # numbers of groups, which torch's group names count
+    dist.new_group([0, world // 2])
     halves = [dist.new_group(list(range(k, k + world // 2))) for k in (0, world // 2)]
     mine = halves[rank // (world // 2)]
     out = {}
     for name, group, broadcast_max in (("world", None, 4), ("half", mine, 4),
-                                       ("world_all_gather", None, 1)):
+                                       ("world_all_gather", None, 1),
+                                       ("world_explicit", dist.group.WORLD, 4)):
         # broadcast_max 1: the all-gather above GLOO_BROADCAST_MAX ranks (torch's own)
         collectives.GLOO_BROADCAST_MAX = broadcast_max
         comm = Collectives(Ledger(), group)
@@ -419,10 +423,13 @@ def collectives_grid():
             ref = torch.empty(1001, dtype=dtype)
             dist.reduce_scatter_tensor(ref, inp.clone(), group=group)
             got = torch.empty(1001, dtype=dtype)
+            comm.trace = []  # profiling: the record of the first wait must stand
             work = comm.reduce_scatter(got, inp.clone(), async_op=True)
             work.wait()
-            got_once = got.clone()
+            got_once, done = got.clone(), comm.trace[0]["done"]
             work.wait()  # a bucket's units each wait: the result must not change
+            traced = comm.trace[0]["done"] == done
+            comm.trace = None
             shard = torch.randn(999, generator=g).to(dtype)
             ref_g = torch.empty(n * 999, dtype=dtype)
             dist.all_gather_into_tensor(ref_g, shard, group=group)
@@ -433,6 +440,7 @@ def collectives_grid():
             comm.all_gather(inplace, inplace[r], async_op=True).wait()
             out[(name, str(dtype))] = {
                 "reduce_scatter": torch.equal(got_once, ref) and torch.equal(got, ref),
+                "traced_once": traced,
                 "all_gather": torch.equal(gathered.view(-1), ref_g),
                 "in_place": torch.equal(inplace.view(-1), ref_g),
             }

@@ -204,10 +204,11 @@ def test_collectives_match_torch_n4(n4):
     """gloo's reduce-scatter and all-gather as the engine runs them (an all-reduce in
     place, N broadcasts; torch's all-gather above GLOO_BROADCAST_MAX ranks) give torch's
     results bit for bit, on the world and on a sub-group, in fp32 and bf16, in place,
-    and unchanged by a second wait; the ledger records the collective the algorithm
-    performs."""
+    and unchanged by a second wait (as is the profiler's record of it); the ledger records
+    the collective the algorithm performs. Sub-groups' reduction twins are created on
+    every rank, so ranks in different numbers of other groups still meet."""
     r = n4["collectives"]
-    for group in ("world", "half", "world_all_gather"):
+    for group in ("world", "half", "world_all_gather", "world_explicit"):
         for dtype in ("torch.float32", "torch.bfloat16"):
             assert all(r[(group, dtype)].values()), (group, dtype, r[(group, dtype)])
         ledger = r[(group, "ledger")]

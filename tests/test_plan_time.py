@@ -196,8 +196,15 @@ def test_gloo_reduces_as_all_reduce_and_counts_its_copies():
     for s in (1, 2, 3):
         assert gloo[s].land - plain[s].land == gloo[s].land_more - plain[s].land_more == 2000
     assert gloo[3].gather - plain[3].gather == 2 * 250 * 2
-    # above GLOO_BROADCAST_MAX ranks torch's all-gather copies its flat output out: 2·Q·w
-    assert copy_bytes(mixed, 3, 1000, 8, gloo=True).gather == 2 * (2 * 1000 * 2)
+    # above GLOO_BROADCAST_MAX ranks torch's all-gather copies its flat output out: 2·Q·w,
+    # at stage 3's gathers and at stages 1-2's post-step gathers alike
+    wide = [copy_bytes(mixed, s, 1000, 8, gloo=True) for s in range(4)]
+    narrow = [copy_bytes(mixed, s, 1000, 8) for s in range(4)]
+    assert wide[3].gather == 2 * (2 * 1000 * 2)
+    assert [w.sync_unpack - x.sync_unpack for w, x in zip(wide, narrow)] == [0, 4000, 4000, 0]
+    # one rank: torch's collectives, nothing added
+    assert all(copy_bytes(mixed, s, 1000, 1, gloo=True) == copy_bytes(mixed, s, 1000, 1)
+               for s in range(4))
     assert [g.gather for g in gloo[:3]] == [0, 0, 0]
     # without overlap every collective adds: stage 3's 4 reductions now take an
     # all-reduce's 0.5 ms (8 gathers of 0.25 ms as before)

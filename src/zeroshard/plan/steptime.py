@@ -108,7 +108,8 @@ class CopyBytes:
     ``torch.cat`` of this rank's rows ``2·Q·w/N``."""
     sync_unpack: float
     """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``; with
-    no master only the other ranks' rows, ``2·(Q - Q/N)·w``."""
+    no master only the other ranks' rows, ``2·(Q - Q/N)·w``; on gloo above
+    ``GLOO_BROADCAST_MAX`` ranks also torch's copy out of its flat buffer (``2·Q·w``)."""
     step: float
     """Once per step with a master: ``assign_step_grads``' cast to it if g ≠ m
     (``Q·(g + m)`` at stage 0, ``/N`` above) and ``refresh_compute``'s master copy into
@@ -137,16 +138,22 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
     else:
         land = 2 * n * r + _cast(n, rd, gd, r, g)
         land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
+    gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
     if gloo and stage > 0:  # the reduced slot copied out of the all-reduced buffer
         land, land_more = land + 2 * n * r, land_more + 2 * n * r
+    # an all-gather on gloo: the input into its slot (stage 3; the stage 1-2 input is
+    # written there) up to GLOO_BROADCAST_MAX ranks, above it torch's copy out of a flat
+    # buffer
+    broadcasts = dp <= GLOO_BROADCAST_MAX
+    staged = 0.0 if not gloo or broadcasts else 2 * Q * w
     gather = 0.0
-    if stage == 3:  # on gloo: the shard into its slot, or (above it) torch's staging copy
-        staged = (2 * n * w if dp <= GLOO_BROADCAST_MAX else 2 * Q * w) if gloo else 0.0
-        gather = 2 * Q * w + staged
+    if stage == 3:
+        gather = 2 * Q * w + (2 * n * w if gloo and broadcasts else staged)
     sync_input = sync_unpack = step = 0.0
     if stage in (1, 2):
         sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w
         sync_unpack = 2 * Q * w if md else 2 * (Q - n) * w  # without a master: the others' rows
+        sync_unpack += staged
     if md:
         owned = Q if stage == 0 else n
         step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)

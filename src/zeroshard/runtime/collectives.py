@@ -46,11 +46,8 @@ class Collectives:
         self.group = group
         self.dp_rank = dist.get_rank(group)
         self.dp_world = dist.get_world_size(group)
-        # One more group with the same ranks, for gradient reductions only. Only its
-        # members create a sub-group's twin: ranks of other data-parallel groups (HSDP's
-        # replicas) are creating their own at the same time, with other ranks.
-        self.reduce_group = (dist.new_group() if group is None else dist.new_group(
-            dist.get_process_group_ranks(group), use_local_synchronization=True))
+        # One more group with the same ranks, for gradient reductions only.
+        self.reduce_group = _twin(group)
         self.trace: list[dict] | None = None  # profiling: one record per call
         self._gloo = "gloo" in str(dist.get_backend(group))
 
@@ -119,6 +116,27 @@ class Collectives:
             t, src=root, group=self.group, async_op=True), False)
 
 
+def _twin(group):
+    """A new process group with the ranks of ``group``, created on every rank of the
+    world (``zs.shard`` is a collective of the whole world). Ranks in other data-parallel
+    groups (HSDP's replicas) pass other groups at the same moment, so the rank lists are
+    exchanged first and every rank creates every twin, in one order: torch names a
+    group by its creation order, so a group created by its members alone could get
+    another name on each of them and never meet."""
+    world = dist.get_world_size()
+    if group is None or dist.get_world_size(group) == world:
+        return dist.new_group()  # new_group sorts ranks: the world, in world order
+    mine = dist.get_process_group_ranks(group)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    twin = None
+    for ranks in sorted({tuple(r) for r in every}):
+        created = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            twin = created
+    return twin
+
+
 class _Then:
     """Work handles waited as one, then ``then()`` once: ``wait()`` may be called again
     (the units of a reduce bucket share one handle) and does nothing more."""
@@ -140,10 +158,13 @@ class _TracedWork:
     """A work handle that notes when compute waited for it, and how long."""
 
     def __init__(self, work, rec):
-        self.work, self.rec = work, rec
+        self.work, self.rec, self.done = work, rec, False
 
     def wait(self) -> None:
+        if self.done:  # the units of a reduce bucket share one handle: the first wait counts
+            return
         start = time.perf_counter()
         self.work.wait()
         self.rec["done"] = time.perf_counter()
         self.rec["waited"] = self.rec.get("waited", 0.0) + self.rec["done"] - start
+        self.done = True
