@@ -430,6 +430,8 @@ def collectives_grid():
             work.wait()  # a bucket's units each wait: the result must not change
             traced = comm.trace[0]["done"] == done
             comm.trace = None
+            averaged = torch.empty(1001, dtype=dtype)
+            comm.reduce_scatter(averaged, inp.clone(), mean=True, async_op=True).wait()
             shard = torch.randn(999, generator=g).to(dtype)
             ref_g = torch.empty(n * 999, dtype=dtype)
             dist.all_gather_into_tensor(ref_g, shard, group=group)
@@ -441,6 +443,7 @@ def collectives_grid():
             out[(name, str(dtype))] = {
                 "reduce_scatter": torch.equal(got_once, ref) and torch.equal(got, ref),
                 "traced_once": traced,
+                "mean": torch.equal(averaged, ref / n),  # the same bits as dividing after
                 "all_gather": torch.equal(gathered.view(-1), ref_g),
                 "in_place": torch.equal(inplace.view(-1), ref_g),
             }

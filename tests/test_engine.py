@@ -214,8 +214,8 @@ def test_collectives_match_torch_n4(n4):
         ledger = r[(group, "ledger")]
         n = 2 if group == "half" else 4
         assert set(ledger) == {"reduce_scatter", "all_gather"}, ledger
-        assert ledger["reduce_scatter"]["calls"] == 2 and ledger["all_gather"]["calls"] == 4
-        # per dtype: a reduce-scatter of N·1001 elements, two all-gathers of N·999
-        assert ledger["reduce_scatter"]["bytes"] == (n - 1) * 1001 * (4 + 2)
+        assert ledger["reduce_scatter"]["calls"] == 4 and ledger["all_gather"]["calls"] == 4
+        # per dtype: two reduce-scatters of N·1001 elements, two all-gathers of N·999
+        assert ledger["reduce_scatter"]["bytes"] == 2 * (n - 1) * 1001 * (4 + 2)
         assert ledger["all_gather"]["bytes"] == 2 * (n - 1) * 999 * (4 + 2)
     assert r["half_training"] == {"stages_bit_equal": True, "halves_bit_equal": True}

@@ -92,9 +92,9 @@ class CopyBytes:
     land: float
     """The step's first backward, ``wait_reduce``: stage 0 ``_land_full_grads`` divides
     the [N, ·] buffer by N into the full gradients in one pass (``Q·(r + g)``); stages 1-3
-    ``div_`` the [S] slot (``2·Q·r/N``) and make ``grad_shard`` by a cast if r ≠ g
-    (``Q·(r+g)/N``), else as a view of the result. On gloo stages 1-3 first copy their
-    slot out of the all-reduced buffer (``2·Q·r/N``)."""
+    divide the [S] slot (``2·Q·r/N``: in place, or on gloo as it is copied out of the
+    all-reduced buffer) and make ``grad_shard`` by a cast if r ≠ g (``Q·(r+g)/N``), else
+    as a view of the result."""
     land_more: float
     """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
     (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
@@ -126,7 +126,7 @@ class CopyBytes:
 def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
                gloo: bool = False) -> CopyBytes:
     """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks;
-    ``gloo``: with the copies the engine adds around gloo's in-place collectives."""
+    ``gloo``: with the copies the engine adds around gloo's in-place all-gathers."""
     Q, n = unit_params, unit_params / dp
     w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
                   recipe.master_bytes)
@@ -139,8 +139,6 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
         land = 2 * n * r + _cast(n, rd, gd, r, g)
         land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
     gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
-    if gloo and stage > 0:  # the reduced slot copied out of the all-reduced buffer
-        land, land_more = land + 2 * n * r, land_more + 2 * n * r
     # an all-gather on gloo: the input into its slot (stage 3; the stage 1-2 input is
     # written there) up to GLOO_BROADCAST_MAX ranks, above it torch's copy out of a flat
     # buffer

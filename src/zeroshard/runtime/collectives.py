@@ -75,19 +75,24 @@ class Collectives:
         return self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
             t, op=op, group=group, async_op=True), async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
-                       unit=None):
-        """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot. On
-        gloo ``inp`` is summed in place (every slot: it holds the sums afterwards)."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, mean: bool = False,
+                       async_op: bool = False, unit=None):
+        """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot, or
+        with ``mean`` that sum divided by N (in the wait, the same bits as dividing after
+        it). On gloo ``inp`` is summed in place (every slot: it holds the sums afterwards)
+        and the slot lands in ``out`` divided and copied in one pass."""
+        n = self.dp_world
         if self._on_gloo(inp):  # [Note: gloo]
             def call():
                 work = dist.all_reduce(inp, group=self.reduce_group, async_op=True)
-                slot = inp.view(self.dp_world, -1)[self.dp_rank]
-                return _Then(work, then=lambda: out.view(-1).copy_(slot))
+                slot, dst = inp.view(n, -1)[self.dp_rank], out.view(-1)
+                return _Then(work, then=(lambda: torch.div(slot, n, out=dst)) if mean
+                             else (lambda: dst.copy_(slot)))
         else:
             def call():
-                return _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
+                work = _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
                                        async_op=True)
+                return _Then(work, then=lambda: out.div_(n)) if mean else work
         return self._issue("reduce_scatter", inp, unit, call, async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,

@@ -44,7 +44,7 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
         parts = [out[:, a:b] for a, b in spans]  # [N, S + F] each
     else:
         out = torch.empty(base, dtype=first.reduce_dtype, device=first.device)
-        work = comm.reduce_scatter(out, buf, async_op=True, unit=label)
+        work = comm.reduce_scatter(out, buf, mean=True, async_op=True, unit=label)
         parts = [out[a:b] for a, b in spans]
     for u, part in zip(units, parts):
         u._in_flight = (work, buf, part)

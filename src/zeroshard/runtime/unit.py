@@ -208,8 +208,7 @@ class Unit:
         if self.stage == 0:  # [N, S + F]: every slot, averaged into the full gradients (DDP)
             flags = out[0, S:] / n
             self._land_full_grads(out[:, :S], (flags > 0).tolist())
-        else:
-            out.div_(n)
+        else:  # [S + F]: this rank's slot, already averaged by the reduce-scatter
             flags, reduced = out[S:], out[:S]
             if self.stage == 1 or self.fresh:
                 # A view of the reduction's result when the dtypes agree (no copy, and no
