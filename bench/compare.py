@@ -61,22 +61,19 @@ def _state(impl, net, model, opt) -> int:
     return _bytes(local) + _bytes(grads) + _bytes(states)
 
 
-def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int,
-          prefetch: int | None = None) -> dict:
+def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None):
+    """Wrap ``model`` (on every rank, from the same weights) as implementation ``impl``.
+
+    Returns ``(net, optimizer, engine, comm)``: ``net(x, y)`` gives the loss; ``engine``
+    is DeepSpeed's (which runs backward and step itself) or None; ``comm`` is the bytes
+    an anchor sends per rank per step in ring accounting (None for zeroshard, whose
+    ledger counts them)."""
     import torch
     import torch.distributed as dist
 
-    from zeroshard.data import Corpus
-    from zeroshard.models.gpt import GPT, get_preset
     from zeroshard.plan.memory import ring_all_reduce, ring_one_way
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = get_preset(preset)
-    corpus = Corpus.builtin()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    heap = HeapPeak().start()  # sampled through the untimed warm-up steps only
-    torch.manual_seed(0)
-    model = GPT(cfg)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     P = sum(p.numel() for p in model.parameters())
     comm = None
     engine = None
@@ -125,6 +122,25 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int,
     else:
         raise ValueError(f"unknown implementation {impl!r}")
 
+    return net, opt, engine, comm
+
+
+def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int,
+          prefetch: int | None = None) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from zeroshard.data import Corpus
+    from zeroshard.models.gpt import GPT, get_preset
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = get_preset(preset)
+    corpus = Corpus.builtin()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    heap = HeapPeak().start()  # sampled through the untimed warm-up steps only
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    net, opt, engine, comm = build(impl, model, lr, batch, prefetch)
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     if impl == "limit":  # one process standing in for one rank: its local micro-batch
         rows = slice(0, batch // ranks)

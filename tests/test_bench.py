@@ -1,6 +1,7 @@
 """A smoke run of the side-by-side benchmark (tiny preset, few steps): every
 implementation trains the same function."""
 
+import json
 import re
 import subprocess
 import sys
@@ -57,3 +58,41 @@ def test_gloo_collectives_smoke():
     assert all(r[3] == "True" for r in rows), out
     gather = next(r for r in rows if r[0] == "all_gather")
     assert float(gather[1]) >= 3.9 and float(gather[2]) < 1.0, out  # a 4 MB buffer, or none
+
+
+def test_paired_smoke(tmp_path):
+    """Step-by-step pairs in the same ranks: both members train the same function, and the
+    ratio is the median of the per-step ratios inside its bootstrap interval."""
+    report = tmp_path / "paired.json"
+    out = subprocess.run(
+        [sys.executable, str(BENCH.parent / "paired.py"), "--preset", "tiny", "--steps", "6",
+         "--pairs", "zeroshard-0:ddp,zeroshard-3:fsdp2-reshard", "--json", str(report)],
+        capture_output=True, text=True, timeout=600, check=True).stdout
+    results = json.loads(report.read_text())["results"]
+    assert [r["pair"] for r in results] == [["zeroshard-0", "ddp"],
+                                             ["zeroshard-3", "fsdp2-reshard"]], out
+    for r in results:
+        a, b = r["loss"]
+        assert abs(a - b) < 1e-6, r  # the same function
+        assert r["steps"] == 3 and r["ci95"][0] <= r["ratio"] <= r["ci95"][1], r
+    bad = subprocess.run([sys.executable, str(BENCH.parent / "paired.py"), "--pairs", "ddp"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "'A:B'" in bad.stderr
+
+
+def test_paired_ratio():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from paired import paired_ratio
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    # a slow spell that hits both members of a step cancels in their ratio
+    b = [1.0, 1.0, 2.0, 2.0, 1.0, 3.0, 1.0]
+    a = [0.9 * x for x in b]
+    mid, lo, hi = paired_ratio(a, b)
+    assert mid == pytest.approx(0.9) and lo == pytest.approx(0.9) and hi == pytest.approx(0.9)
+    mid, lo, hi = paired_ratio([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
+    assert mid == 2.5 and 1.0 <= lo <= mid <= hi <= 4.0
+    assert paired_ratio([1.0, 2.0, 3.0, 4.0], [1.0] * 4) == (mid, lo, hi)  # seeded
+    with pytest.raises(ValueError, match="equally many"):
+        paired_ratio([1.0], [1.0, 2.0])

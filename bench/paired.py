@@ -1,0 +1,139 @@
+"""zeroshard against an anchor, step by step in the same processes: the step-time ratio
+with a confidence interval.
+
+    python bench/paired.py                          # the four targets, medium GPT, N = 2
+    python bench/paired.py --pairs zeroshard-0:ddp --steps 80
+
+``compare.py`` runs each implementation in fresh processes, one after another, and this
+machine's speed drifts between runs by more than the gaps between the closest pairs
+(its rounds of the same implementation differ by up to 15 %). Here both members of a
+pair live in the same ranks, built from the same initial weights, and take turns: step k
+of one, then step k of the other, on the same global batch, the order swapped every step
+so neither always runs first. A slow spell then falls on both members of a step, and the
+ratio of their two times cancels it. Reported per pair: each member's median step time,
+the median of the per-step ratios and a 95 % bootstrap interval for it (the timed steps
+resampled 2,000 times, seeded), and both losses after the last step, which must agree:
+both members train the same function.
+
+Memory is not reported: two models share each process (``compare.py`` measures it).
+DeepSpeed is left to ``compare.py`` too: its engine is built for one per process. Each
+pair runs in fresh processes; implementation names are ``compare.py``'s. A pair of one
+implementation with itself (``ddp:ddp``) checks the method: its ratio should be 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from compare import WARMUP, build
+
+TARGETS = ["zeroshard-0:ddp", "zeroshard-1:ddp+zero", "zeroshard-2:fsdp2-noreshard",
+           "zeroshard-3:fsdp2-reshard"]
+PAIRABLE = {f"zeroshard-{s}" for s in range(4)} | {"ddp", "ddp+zero", "fsdp2-noreshard",
+                                                    "fsdp2-reshard"}
+
+
+def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from zeroshard.data import Corpus
+    from zeroshard.models.gpt import GPT, get_preset
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg, corpus = get_preset(preset), Corpus.builtin()
+    members = []
+    for impl in pair:
+        torch.manual_seed(0)  # the same initial weights for both
+        net, opt, _, _ = build(impl, GPT(cfg), lr, batch)
+        members.append((net, opt))
+    rows = slice(rank * batch // world, (rank + 1) * batch // world)
+    times: list[list[float]] = [[], []]
+    losses = [None, None]
+    for step in range(steps):
+        x, y = corpus.batch("train", 0, step, batch, cfg.block_size)
+        for m in ((0, 1) if step % 2 == 0 else (1, 0)):
+            net, opt = members[m]
+            t0 = time.perf_counter()
+            loss = net(x[rows], y[rows])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times[m].append(time.perf_counter() - t0)
+            losses[m] = loss.detach()
+    finals = []
+    for loss in losses:
+        final = loss.double().reshape(1)
+        dist.all_reduce(final)
+        finals.append(final.item() / world)
+    return {"times": [t[WARMUP:] for t in times], "loss": finals}
+
+
+def paired_ratio(a: list[float], b: list[float], resamples: int = 2000,
+                 seed: int = 0) -> tuple[float, float, float]:
+    """Median of the per-step ratios a[k] / b[k] and its 95 % bootstrap interval."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need equally many steps of each, got {len(a)} and {len(b)}")
+    ratios = [x / y for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(resamples))
+    return (statistics.median(ratios), medians[int(0.025 * resamples)],
+            medians[int(0.975 * resamples) - 1])
+
+
+def _parse_pairs(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 2 or not set(parts) <= PAIRABLE:
+            raise ValueError(f"pair {item!r} must be two implementations 'A:B' "
+                             f"from {sorted(PAIRABLE)}")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def main() -> None:
+    from zeroshard.runtime.spawn import spawn
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", default=",".join(TARGETS),
+                   help="comma-separated A:B pairs; the ratio is A's time over B's "
+                        "(default: each zeroshard stage against its target anchor)")
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--steps", type=int, default=40,
+                   help=f"steps of each member; the first {WARMUP} are not timed (default 40)")
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    a = p.parse_args()
+    try:
+        pairs = _parse_pairs(a.pairs)
+    except ValueError as exc:
+        p.error(str(exc))
+    if a.steps <= WARMUP:
+        p.error(f"--steps={a.steps} must exceed the {WARMUP} warm-up steps")
+    results = []
+    for pair in pairs:
+        r = spawn(_rank, a.nproc, pair, a.preset, a.steps, a.batch, a.lr, timeout=1800)[0]
+        ta, tb = r["times"]
+        mid, lo, hi = paired_ratio(ta, tb)
+        results.append({"pair": list(pair), "median_ms": [statistics.median(ta) * 1e3,
+                                                          statistics.median(tb) * 1e3],
+                        "ratio": mid, "ci95": [lo, hi], "loss": r["loss"], "steps": len(ta)})
+        print(f"{pair[0]:12} {statistics.median(ta) * 1e3:7.1f} ms  against {pair[1]:16} "
+              f"{statistics.median(tb) * 1e3:7.1f} ms  ratio {mid:.3f}x "
+              f"(95% {lo:.3f}-{hi:.3f}, {len(ta)} steps)  "
+              f"loss {r['loss'][0]:.6f} / {r['loss'][1]:.6f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"args": vars(a), "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
