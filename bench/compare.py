@@ -61,13 +61,15 @@ def _state(impl, net, model, opt) -> int:
     return _bytes(local) + _bytes(grads) + _bytes(states)
 
 
-def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None):
+def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
+          reduce_bucket_size: int | None = None):
     """Wrap ``model`` (on every rank, from the same weights) as implementation ``impl``.
 
     Returns ``(net, optimizer, engine, comm)``: ``net(x, y)`` gives the loss; ``engine``
     is DeepSpeed's (which runs backward and step itself) or None; ``comm`` is the bytes
     an anchor sends per rank per step in ring accounting (None for zeroshard, whose
-    ledger counts them)."""
+    ledger counts them). ``prefetch`` and ``reduce_bucket_size`` are zeroshard's
+    (None: the engine's defaults)."""
     import torch
     import torch.distributed as dist
 
@@ -80,7 +82,8 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None):
     if impl.startswith("zeroshard"):
         import zeroshard as zs
 
-        options = {} if prefetch is None else {"prefetch": prefetch}
+        options = {k: v for k, v in (("prefetch", prefetch),
+                                     ("reduce_bucket_size", reduce_bucket_size)) if v is not None}
         net = zs.shard(model, stage=int(impl[-1]), **options)
         opt = torch.optim.AdamW(net.parameters(), lr=lr)
     elif impl in ("ddp", "ddp+zero"):

@@ -37,7 +37,8 @@ PAIRABLE = {f"zeroshard-{s}" for s in range(4)} | {"ddp", "ddp+zero", "fsdp2-nor
                                                     "fsdp2-reshard"}
 
 
-def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float) -> dict:
+def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
+          bucket: int | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -49,7 +50,7 @@ def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float)
     members = []
     for impl in pair:
         torch.manual_seed(0)  # the same initial weights for both
-        net, opt, _, _ = build(impl, GPT(cfg), lr, batch)
+        net, opt, _, _ = build(impl, GPT(cfg), lr, batch, reduce_bucket_size=bucket)
         members.append((net, opt))
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     times: list[list[float]] = [[], []]
@@ -110,8 +111,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch in sequences")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--reduce-bucket-size", type=int, metavar="ELEMENTS",
+                   help="zeroshard's reduce_bucket_size (default: the engine's, one "
+                        "reduction per unit)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
+    if a.reduce_bucket_size is not None and a.reduce_bucket_size < 0:
+        p.error(f"--reduce-bucket-size={a.reduce_bucket_size} must be >= 0")
     try:
         pairs = _parse_pairs(a.pairs)
     except ValueError as exc:
@@ -120,7 +126,8 @@ def main() -> None:
         p.error(f"--steps={a.steps} must exceed the {WARMUP} warm-up steps")
     results = []
     for pair in pairs:
-        r = spawn(_rank, a.nproc, pair, a.preset, a.steps, a.batch, a.lr, timeout=1800)[0]
+        r = spawn(_rank, a.nproc, pair, a.preset, a.steps, a.batch, a.lr,
+                  a.reduce_bucket_size, timeout=1800)[0]
         ta, tb = r["times"]
         mid, lo, hi = paired_ratio(ta, tb)
         results.append({"pair": list(pair), "median_ms": [statistics.median(ta) * 1e3,

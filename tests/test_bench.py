@@ -66,9 +66,12 @@ def test_paired_smoke(tmp_path):
     report = tmp_path / "paired.json"
     out = subprocess.run(
         [sys.executable, str(BENCH.parent / "paired.py"), "--preset", "tiny", "--steps", "6",
-         "--pairs", "zeroshard-0:ddp,zeroshard-3:fsdp2-reshard", "--json", str(report)],
+         "--pairs", "zeroshard-0:ddp,zeroshard-3:fsdp2-reshard", "--reduce-bucket-size",
+         "100000", "--json", str(report)],
         capture_output=True, text=True, timeout=600, check=True).stdout
-    results = json.loads(report.read_text())["results"]
+    data = json.loads(report.read_text())
+    results = data["results"]
+    assert data["args"]["reduce_bucket_size"] == 100000
     assert [r["pair"] for r in results] == [["zeroshard-0", "ddp"],
                                              ["zeroshard-3", "fsdp2-reshard"]], out
     for r in results:
