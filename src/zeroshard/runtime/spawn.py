@@ -9,6 +9,7 @@ finish within ``timeout`` seconds is killed and reported instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -49,6 +50,7 @@ def _worker(fn, rank, world_size, store_path, backend, timeout, results, args, t
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:
+        gc.collect()  # free engines (reference cycles) before their groups: see train
         if dist.is_initialized():
             dist.destroy_process_group()
 
