@@ -469,3 +469,25 @@ def collectives_grid():
         "halves_bit_equal": bit_equal(others[0], others[-1]),
     }
     return out
+
+
+def freed_when_dropped():
+    """Per (stage, profile): whether a sharded model that trained a step, a unit and the
+    collectives holding its process groups are gone once the caller drops the model
+    and its optimizer (torch's registry keeps the groups until they are destroyed)."""
+    import gc
+    import weakref
+
+    out = {}
+    for stage in range(4):
+        for profile in (False, True):
+            net = zs.shard(build("gpt"), stage=stage, profile=profile)
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+            x, y = batch("gpt", 0)
+            net(x, y).backward()
+            opt.step()
+            refs = [weakref.ref(net), weakref.ref(net.units[0]), weakref.ref(net.units[0].comm)]
+            del net, opt
+            gc.collect()
+            out[(stage, profile)] = [r() is None for r in refs]
+    return out

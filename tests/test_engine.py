@@ -26,7 +26,14 @@ def _n2():
         "norms": cases.clip_norms("gpt"),
         "ledger": cases.ledger_grid(),
         "behaviour": cases.behaviour_grid(),
+        "freed": cases.freed_when_dropped(),
     }
+
+
+def test_dropped_model_is_freed_with_its_groups(n2):
+    """No hook keeps a dropped engine alive: otherwise its process groups would live
+    until interpreter teardown, where destroying them can abort the process."""
+    assert all(all(v) for v in n2["freed"].values()), n2["freed"]
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -107,15 +109,19 @@ class ShardedModel(nn.Module):
     # -- construction ---------------------------------------------------------------
     def _register_hooks(self) -> None:
         prof = self.profiler
-        for u in self.units:
+        owner = weakref.ref(self)
+        for k, u in enumerate(self.units):
             if prof is not None:  # before the gather and before the release
                 u.module.register_forward_pre_hook(
                     lambda m, a, u=u: prof.event("forward_begin", u), prepend=True)
                 u.module.register_forward_hook(
                     lambda m, a, out, u=u: prof.event("forward_end", u), prepend=True)
+            # A tensor's hooks are held from C++, where the cycle collector cannot see
+            # them: a hook holding the engine or a unit would keep both (and their
+            # process groups) alive for the life of the interpreter.
             for i in u.trainable:
                 u.params[i].register_post_accumulate_grad_hook(
-                    lambda p, u=u: self._on_grad(u))
+                    functools.partial(_grad_hook, owner, k))
             if u.stage == 3:
                 u.module.register_forward_pre_hook(
                     lambda m, a, u=u: self._gather(u, "forward"))
@@ -344,6 +350,13 @@ class ShardedModel(nn.Module):
         if reset:
             self.ledger.reset()
         return stats
+
+
+def _grad_hook(owner: weakref.ref, k: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a trainable parameter of ``owner().units[k]``."""
+    model = owner()
+    if model is not None:
+        model._on_grad(model.units[k])
 
 
 def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None,
