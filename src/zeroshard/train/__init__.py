@@ -97,7 +97,7 @@ def run(args) -> int:
 
 def _release_groups() -> None:
     """Destroy the process groups while the interpreter is fully alive, after whatever
-    still holds them. The sharded model is freed by the cycle collector (its hooks
+    still holds them. The sharded model is freed by the cycle collector (module hooks
     refer back to it), so collect first; otherwise its groups could be destructed during
     interpreter teardown, where gloo's worker threads may abort the process
     (pytorch/pytorch#179291)."""
