@@ -5,15 +5,20 @@ with a confidence interval.
     python bench/paired.py --pairs zeroshard-0:ddp --steps 80
 
 ``compare.py`` runs each implementation in fresh processes, one after another, and this
-machine's speed drifts between runs by more than the gaps between the closest pairs
-(its rounds of the same implementation differ by up to 15 %). Here both members of a
-pair live in the same ranks, built from the same initial weights, and take turns: step k
-of one, then step k of the other, on the same global batch, the order swapped every step
-so neither always runs first. A slow spell then falls on both members of a step, and the
-ratio of their two times cancels it. Reported per pair: each member's median step time,
-the median of the per-step ratios and a 95 % bootstrap interval for it (the timed steps
-resampled 2,000 times, seeded), and both losses after the last step, which must agree:
-both members train the same function.
+machine's speed drifts between runs by more than the gaps between the closest pairs (its
+rounds of the same implementation differ by about 5 %, once by 15 %). Here both members
+of a pair live in the same ranks, built from the same initial weights, and take turns:
+step k of one, then step k of the other, on the same global batch, the order swapped
+every step so neither always runs first. A slow spell then falls on both members of a
+step, and the ratio of their two times cancels it. A step is timed on rank 0 until its
+communication is done: zeroshard's stages 1-2 leave their post-step all-gathers in
+flight for the next forward to wait on, which here would run in the other member's time,
+so they are finished inside the step (``ShardedModel.synchronize()``). Reported per
+pair: each member's median step time, the median of the per-step ratios and a 95 %
+bootstrap interval for it (the timed steps resampled 2,000 times, seeded: the spread of
+steps within one run, not between runs), and both losses after the last step, which must
+agree: both members train the same function (a pair whose losses differ is reported, and
+the command exits with status 1).
 
 Memory is not reported: two models share each process (``compare.py`` measures it).
 DeepSpeed is left to ``compare.py`` too: its engine is built for one per process. Each
@@ -33,6 +38,8 @@ from compare import WARMUP, build
 
 TARGETS = ["zeroshard-0:ddp", "zeroshard-1:ddp+zero", "zeroshard-2:fsdp2-noreshard",
            "zeroshard-3:fsdp2-reshard"]
+#: relative loss difference past which a pair did not train the same function
+LOSS_TOL = 1e-6
 PAIRABLE = {f"zeroshard-{s}" for s in range(4)} | {"ddp", "ddp+zero", "fsdp2-noreshard",
                                                     "fsdp2-reshard"}
 
@@ -64,6 +71,8 @@ def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if hasattr(net, "synchronize"):
+                net.synchronize()
             times[m].append(time.perf_counter() - t0)
             losses[m] = loss.detach()
     finals = []
@@ -124,22 +133,30 @@ def main() -> None:
         p.error(str(exc))
     if a.steps <= WARMUP:
         p.error(f"--steps={a.steps} must exceed the {WARMUP} warm-up steps")
-    results = []
+    results, differ = [], []
     for pair in pairs:
         r = spawn(_rank, a.nproc, pair, a.preset, a.steps, a.batch, a.lr,
                   a.reduce_bucket_size, timeout=1800)[0]
         ta, tb = r["times"]
         mid, lo, hi = paired_ratio(ta, tb)
+        la, lb = r["loss"]
+        same = abs(la - lb) <= LOSS_TOL * max(1.0, abs(lb))
+        if not same:
+            differ.append(pair)
         results.append({"pair": list(pair), "median_ms": [statistics.median(ta) * 1e3,
                                                           statistics.median(tb) * 1e3],
-                        "ratio": mid, "ci95": [lo, hi], "loss": r["loss"], "steps": len(ta)})
+                        "ratio": mid, "ci95": [lo, hi], "loss": r["loss"], "steps": len(ta),
+                        "times_s": [ta, tb]})
         print(f"{pair[0]:12} {statistics.median(ta) * 1e3:7.1f} ms  against {pair[1]:16} "
               f"{statistics.median(tb) * 1e3:7.1f} ms  ratio {mid:.3f}x "
               f"(95% {lo:.3f}-{hi:.3f}, {len(ta)} steps)  "
-              f"loss {r['loss'][0]:.6f} / {r['loss'][1]:.6f}", flush=True)
+              f"loss {la:.6f} / {lb:.6f}{'' if same else '  LOSSES DIFFER'}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"args": vars(a), "results": results}, fh, indent=1)
+    if differ:
+        raise SystemExit(f"the members of {', '.join(':'.join(p) for p in differ)} did not "
+                         f"train the same function (losses differ by more than {LOSS_TOL:g})")
 
 
 if __name__ == "__main__":

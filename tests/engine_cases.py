@@ -472,9 +472,10 @@ def collectives_grid():
 
 
 def freed_when_dropped():
-    """Per (stage, profile): whether a sharded model that trained a step, a unit and the
-    collectives holding its process groups are gone once the caller drops the model
-    and its optimizer (torch's registry keeps the groups until they are destroyed)."""
+    """Per (stage, profile): whether a sharded model that trained a step, a unit, the
+    collectives holding its process groups (torch's registry keeps the groups until
+    they are destroyed) and its hooks on the module's parameters are gone once the
+    caller drops the model and its optimizer."""
     import gc
     import weakref
 
@@ -487,7 +488,9 @@ def freed_when_dropped():
             net(x, y).backward()
             opt.step()
             refs = [weakref.ref(net), weakref.ref(net.units[0]), weakref.ref(net.units[0].comm)]
+            param = next(p for p in net.module.parameters() if p.requires_grad)
             del net, opt
             gc.collect()
-            out[(stage, profile)] = [r() is None for r in refs]
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+            out[(stage, profile)] = [r() is None for r in refs] + [len(hooks) == 0]
     return out

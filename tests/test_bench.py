@@ -78,6 +78,7 @@ def test_paired_smoke(tmp_path):
         a, b = r["loss"]
         assert abs(a - b) < 1e-6, r  # the same function
         assert r["steps"] == 3 and r["ci95"][0] <= r["ratio"] <= r["ci95"][1], r
+        assert [len(t) for t in r["times_s"]] == [3, 3], r
     bad = subprocess.run([sys.executable, str(BENCH.parent / "paired.py"), "--pairs", "ddp"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "'A:B'" in bad.stderr
@@ -96,6 +97,12 @@ def test_paired_ratio():
     assert mid == pytest.approx(0.9) and lo == pytest.approx(0.9) and hi == pytest.approx(0.9)
     mid, lo, hi = paired_ratio([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0])
     assert mid == 2.5 and 1.0 <= lo <= mid <= hi <= 4.0
+    # The interval is the central 95 % of the resampled medians, not their range: one
+    # outlier in 7 steps is the median of a resample 1 % of the time (four or more of
+    # its 7 draws), so it lies outside the interval though some resamples reach it.
+    assert paired_ratio([1.0] * 6 + [100.0], [1.0] * 7) == (1.0, 1.0, 1.0)
+    assert paired_ratio([1.0] * 6 + [0.01], [1.0] * 7) == (1.0, 1.0, 1.0)
+    assert paired_ratio([1.0] * 4 + [100.0], [1.0] * 5)[2] == 100.0  # there: 5.8 %
     assert paired_ratio([1.0, 2.0, 3.0, 4.0], [1.0] * 4) == (mid, lo, hi)  # seeded
     with pytest.raises(ValueError, match="equally many"):
         paired_ratio([1.0], [1.0, 2.0])

@@ -30,9 +30,10 @@ def _n2():
     }
 
 
-def test_dropped_model_is_freed_with_its_groups(n2):
-    """No hook keeps a dropped engine alive: otherwise its process groups would live
-    until interpreter teardown, where destroying them can abort the process."""
+def test_dropped_model_is_freed_and_unhooked(n2):
+    """No hook keeps a dropped engine alive: otherwise the collectives holding its
+    process groups would live until interpreter teardown, where destroying the groups
+    can abort the process. Its parameter hooks go with it."""
     assert all(all(v) for v in n2["freed"].values()), n2["freed"]
 
 

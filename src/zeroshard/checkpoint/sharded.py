@@ -119,7 +119,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     rank, world = model.comm.dp_rank, model.comm.dp_world
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    model._wait_sync()
+    model.synchronize()
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)

@@ -109,7 +109,8 @@ class ShardedModel(nn.Module):
     # -- construction ---------------------------------------------------------------
     def _register_hooks(self) -> None:
         prof = self.profiler
-        owner = weakref.ref(self)
+        owner, handles = weakref.ref(self), []
+        weakref.finalize(self, _remove_hooks, handles)
         for k, u in enumerate(self.units):
             if prof is not None:  # before the gather and before the release
                 u.module.register_forward_pre_hook(
@@ -118,10 +119,11 @@ class ShardedModel(nn.Module):
                     lambda m, a, out, u=u: prof.event("forward_end", u), prepend=True)
             # A tensor's hooks are held from C++, where the cycle collector cannot see
             # them: a hook holding the engine or a unit would keep both (and their
-            # process groups) alive for the life of the interpreter.
+            # process groups) alive for the life of the interpreter. So they hold it
+            # weakly, and go with it.
             for i in u.trainable:
-                u.params[i].register_post_accumulate_grad_hook(
-                    functools.partial(_grad_hook, owner, k))
+                handles.append(u.params[i].register_post_accumulate_grad_hook(
+                    functools.partial(_grad_hook, owner, k)))
             if u.stage == 3:
                 u.module.register_forward_pre_hook(
                     lambda m, a, u=u: self._gather(u, "forward"))
@@ -315,8 +317,10 @@ class ShardedModel(nn.Module):
         for name, shard in self._named_shards:
             yield prefix + name, shard
 
-    def _wait_sync(self) -> None:
-        """Wait for the all-gathers that bring compute weights up to date after a step."""
+    def synchronize(self) -> None:
+        """Finish the communication a step leaves in flight: at stages 1-2, the
+        all-gathers that bring the compute weights up to date (the next forward waits
+        for them itself). For timing a step whole, or reading the weights in between."""
         for u in self.units:
             u.wait_sync()
 
@@ -324,12 +328,12 @@ class ShardedModel(nn.Module):
         """Recompute every compute weight from the shards (after a load)."""
         for u in self.units:
             u.refresh_compute()
-        self._wait_sync()
+        self.synchronize()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights (the fp32 master where there is one) and buffers under
         their original names. A collective: every rank must call it."""
-        self._wait_sync()
+        self.synchronize()
         values = {}
         for u in self.units:
             values.update(u.full_tensors())
@@ -350,6 +354,11 @@ class ShardedModel(nn.Module):
         if reset:
             self.ledger.reset()
         return stats
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _grad_hook(owner: weakref.ref, k: int, param: torch.Tensor) -> None:

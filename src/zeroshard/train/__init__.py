@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from dataclasses import asdict, replace
 
 from .config import TrainConfig, resolve
@@ -82,8 +83,12 @@ def run(args) -> int:
 
         try:
             train(cfg)
-        finally:
+        except BaseException as exc:
+            # the traceback holds train's frames, and with them the model
+            traceback.clear_frames(exc.__traceback__)
             _release_groups()
+            raise
+        _release_groups()
         return 0
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
     _check_paths(cfg)
