@@ -1,7 +1,9 @@
-"""Process groups and devices: ``init_distributed`` and the dtype names of recipes."""
+"""Process groups and devices: ``init_distributed``, ``release_process_groups`` and the
+dtype names of recipes."""
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -33,6 +35,18 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def release_process_groups() -> None:
+    """Destroy the process groups while the interpreter is fully alive, after whatever
+    still holds them. A sharded model is freed by the cycle collector (module hooks refer
+    back to it), so collect first; otherwise its groups could be destructed during
+    interpreter teardown, where gloo's worker threads may abort the process
+    (pytorch/pytorch#179291). A caller handling an exception clears its traceback's
+    frames first: they hold the model too."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -9,7 +9,6 @@ finish within ``timeout`` seconds is killed and reported instead of hanging.
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import queue
@@ -36,6 +35,8 @@ def _worker(fn, rank, world_size, store_path, backend, timeout, results, args, t
     import torch
     import torch.distributed as dist
 
+    from .dist import release_process_groups
+
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -50,9 +51,7 @@ def _worker(fn, rank, world_size, store_path, backend, timeout, results, args, t
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", rank, traceback.format_exc()))
     finally:
-        gc.collect()  # free engines (reference cycles) before their groups: see train
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_process_groups()
 
 
 def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0,

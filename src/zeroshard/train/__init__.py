@@ -79,6 +79,7 @@ def run(args) -> int:
     else:
         cfg = _config(args)  # validate before launching anything
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from ..runtime.dist import release_process_groups
         from .loop import train
 
         try:
@@ -86,9 +87,9 @@ def run(args) -> int:
         except BaseException as exc:
             # the traceback holds train's frames, and with them the model
             traceback.clear_frames(exc.__traceback__)
-            _release_groups()
+            release_process_groups()
             raise
-        _release_groups()
+        release_process_groups()
         return 0
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
     _check_paths(cfg)
@@ -98,21 +99,6 @@ def run(args) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
     return subprocess.run(cmd, env=env).returncode
-
-
-def _release_groups() -> None:
-    """Destroy the process groups while the interpreter is fully alive, after whatever
-    still holds them. The sharded model is freed by the cycle collector (module hooks
-    refer back to it), so collect first; otherwise its groups could be destructed during
-    interpreter teardown, where gloo's worker threads may abort the process
-    (pytorch/pytorch#179291)."""
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _check_paths(cfg: TrainConfig) -> None:
