@@ -62,11 +62,12 @@ def test_stages_agree_on_cuda(precision):
 
 
 def _trainer():
+    from zeroshard.runtime.config import ZeroConfig
     from zeroshard.train.config import TrainConfig
     from zeroshard.train.loop import train
 
-    return train(TrainConfig(model="tiny", stage=3, steps=4, batch=8, eval_every=2,
-                             eval_batches=1, sample_chars=8))
+    return train(TrainConfig(model="tiny", zero=ZeroConfig(stage=3), steps=4, batch=8,
+                             eval_every=2, eval_batches=1, sample_chars=8))
 
 
 def test_trainer_runs_on_cuda():

@@ -5,9 +5,11 @@ import warnings
 
 import pytest
 
-from zeroshard.cli import main
+from zeroshard.cli import build_parser, main
+from zeroshard.runtime.config import ZeroConfig
 from zeroshard.runtime.spawn import spawn
-from zeroshard.train.config import TrainConfig, from_deepspeed, resolve
+from zeroshard.train import _config
+from zeroshard.train.config import TrainConfig, engine_keys, from_deepspeed, resolve
 from zeroshard.train.loop import train
 
 pytestmark = pytest.mark.dist
@@ -19,10 +21,10 @@ def _curves(cases):
 
 def _grid(world):
     base = dict(model="tiny", steps=6, batch=8, eval_every=100, eval_batches=1, sample_chars=0)
-    cases = {("fp32", s): dict(base, stage=s) for s in range(4)}
+    cases = {("fp32", s): dict(base, zero=ZeroConfig(stage=s)) for s in range(4)}
     if world == 2:
-        cases[("accum", 2)] = dict(base, stage=2, micro_batch=2)
-        cases[("accum", 0)] = dict(base, stage=0, micro_batch=2)
+        cases[("accum", 2)] = dict(base, zero=ZeroConfig(stage=2), micro_batch=2)
+        cases[("accum", 0)] = dict(base, zero=ZeroConfig(stage=0), micro_batch=2)
     return cases
 
 
@@ -52,8 +54,8 @@ def test_accumulation_follows_the_same_curve(curves):
 
 
 def _one_step(stage):
-    return train(TrainConfig(model="tiny", stage=stage, steps=1, batch=8, eval_every=100,
-                             eval_batches=1, sample_chars=0))["memory"]
+    return train(TrainConfig(model="tiny", zero=ZeroConfig(stage=stage), steps=1, batch=8,
+                             eval_every=100, eval_batches=1, sample_chars=0))["memory"]
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -89,12 +91,14 @@ def test_deepspeed_config_keys():
           "bf16": {"enabled": True},
           "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 2,
           "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW"}}
-    with pytest.warns(UserWarning, match="ignored by zeroshard: optimizer.type, "
-                                         "zero_optimization.overlap_comm"):
+    with pytest.warns(UserWarning, match="ignored by zeroshard: optimizer, "
+                                         "zero_optimization.overlap_comm$"):
         out = from_deepspeed(ds, nproc=2)
-    assert out == {"stage": 2, "precision": "bf16", "clip": 0.5, "batch": 16, "micro_batch": 2,
-                   "param_persistence_threshold": 10000, "reduce_bucket_size": 500_000_000,
-                   "prefetch_bucket_size": 50_000_000}
+    assert out == {"zero": ZeroConfig(stage=2, mixed_precision="bf16",
+                                      param_persistence_threshold=10000,
+                                      reduce_bucket_size=500_000_000,
+                                      prefetch_bucket_size=50_000_000),
+                   "clip": 0.5, "batch": 16, "micro_batch": 2}
     assert TrainConfig(**out).accumulation(2) == (2, 4)
 
 
@@ -103,7 +107,9 @@ def test_deepspeed_config_keys():
     ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes' must be true or false"),
     ({"train_batch_size": -8}, "train_batch_size=-8 must be a positive integer"),
     ({"zero_optimization": {"reduce_bucket_size": "big"}},
-     "zero_optimization.reduce_bucket_size='big' must be a whole number"),
+     "zero_optimization.reduce_bucket_size='big' must be an integer >= 0"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": 2.5}},
+     "zero_optimization.stage3_prefetch_bucket_size=2.5 must be an integer >= 0"),
     ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
       "gradient_accumulation_steps": 2}, "train_batch_size=16 != train_micro_batch_size_per_gpu=2"),
 ])
@@ -117,7 +123,7 @@ def test_config_file_flags_win(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"stage": 1, "steps": 7, "lr": 0.5}))
     cfg = resolve({"steps": 9}, str(path))
-    assert (cfg.stage, cfg.steps, cfg.lr) == (1, 9, 0.5)
+    assert (cfg.zero.stage, cfg.steps, cfg.lr) == (1, 9, 0.5)
     path.write_text(json.dumps({"stages": 1}))
     with pytest.raises(ValueError, match=r"unknown keys \['stages'\]"):
         resolve({}, str(path))
@@ -130,7 +136,125 @@ def test_config_file_flags_win(tmp_path):
     (["--steps", "0"], "steps=0 must be a positive number"),
     (["--resume", "/nonexistent"], "/nonexistent is not a zeroshard checkpoint"),
     (["--init-from", "/nonexistent"], "init_from='/nonexistent': no such file"),
+    (["--stage", "5"], "error: stage=5 is not a ZeRO stage; expected 0, 1, 2 or 3"),
+    (["--mixed-precision", "fp8"], "mixed_precision='fp8' is not supported; expected None, "
+                                   "'fp32', 'bf16' or a recipe name (bf16-mixed-adamw, "),
+    (["--precision", "fp8"], "mixed_precision='fp8' is not supported"),
+    (["--mixed-precision", "fp16"], "not supported: fp16 compute needs dynamic loss scaling"),
+    (["--reduce-dtype", "fp16"], "reduce_dtype='fp16'; expected 'fp32' or 'bf16'"),
+    (["--units", "layers"], "units='layers'; expected 'blocks', 'model' or a parameter count"),
+    (["--units", "0"], "units='0'; expected 'blocks', 'model' or a parameter count"),
+    (["--prefetch", "-1"], "prefetch=-1 must be an integer >= 0"),
+    (["--reduce-bucket-size", "-5"], "reduce_bucket_size=-5 must be an integer >= 0"),
 ])
 def test_bad_flags_fail_before_launch(argv, message, capsys):
     assert main(["train", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, err  # one line, no traceback or usage dump
+
+
+def _parse(*argv):
+    return _config(build_parser("train").parse_args(["train", *argv]))
+
+
+#: A value other than the default for every engine field, as a flag and as the field.
+ENGINE_FLAGS = {
+    "stage": (["--stage", "1"], 1),
+    "mixed_precision": (["--mixed-precision", "bf16"], "bf16"),
+    "reduce_dtype": (["--reduce-dtype", "bf16"], "bf16"),
+    "units": (["--units", "60000"], 60000),
+    "param_persistence_threshold": (["--param-persistence-threshold", "100"], 100),
+    "prefetch": (["--prefetch", "2"], 2),
+    "prefetch_bucket_size": (["--prefetch-bucket-size", "1000"], 1000),
+    "reduce_bucket_size": (["--reduce-bucket-size", "5000"], 5000),
+    "sync_module_states": (["--no-sync-module-states"], False),
+}
+
+
+def test_every_engine_field_has_a_flag_that_reaches_zero_config():
+    assert set(ENGINE_FLAGS) == set(engine_keys())  # a new engine field needs a case here
+    default = TrainConfig().zero
+    for name, (argv, value) in ENGINE_FLAGS.items():
+        assert getattr(default, name) != value, name
+        assert getattr(_parse(*argv).zero, name) == value, name
+    cfg = _parse(*(a for argv, _ in ENGINE_FLAGS.values() for a in argv), "--profile", "p")
+    assert cfg.zero == ZeroConfig(**{k: v for k, (_, v) in ENGINE_FLAGS.items()}, profile=True)
+    # the ranks rebuild the settings from JSON: nothing is lost on the way
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert _parse("--units", "model").zero.units is None
+    assert _parse("--sync-module-states").zero.sync_module_states is True
+    assert _parse().zero == ZeroConfig()  # no flag, the engine's defaults
+
+
+def test_precision_is_an_alias_of_mixed_precision(capsys):
+    assert _parse("--precision", "bf16").zero.mixed_precision == "bf16"
+    assert _parse("--precision", "bf16", "--mixed-precision", "fp32").zero.mixed_precision \
+        == "fp32"  # one setting: the last flag given wins
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--precision {fp32,bf16,RECIPE}\n                        alias of " \
+           "--mixed-precision" in capsys.readouterr().out
+
+
+def test_deepspeed_config_goes_through_the_engines_translator(tmp_path, monkeypatch, recwarn):
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": True},
+          "bf16": {"enabled": True}, "fp16": {"enabled": False}, "train_batch_size": 32,
+          "gradient_clipping": 0.0, "scheduler": {"type": "WarmupLR"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    calls = []
+    engine_translator = ZeroConfig.from_deepspeed.__func__
+    monkeypatch.setattr(ZeroConfig, "from_deepspeed", classmethod(
+        lambda cls, d, handled=(): calls.append(d) or engine_translator(cls, d, handled)))
+    cfg = _parse("--config", str(path), "--reduce-bucket-size", "7")
+    assert calls == [ds]  # one translator, the engine's
+    assert cfg.zero == ZeroConfig(stage=2, mixed_precision="bf16", reduce_bucket_size=7)
+    assert (cfg.batch, cfg.clip) == (32, None)  # the trainer's keys, on top
+    (warning,) = recwarn.list  # one warning names every key neither honours
+    assert str(warning.message) == ("DeepSpeed config keys ignored by zeroshard: fp16, "
+                                    "scheduler, zero_optimization.overlap_comm")
+
+
+def test_engine_keys_flat_or_nested_under_zero(tmp_path):
+    path = tmp_path / "c.json"
+    engine = {"stage": 1, "mixed_precision": "bf16", "units": "model", "prefetch": 0,
+              "sync_module_states": False}
+    path.write_text(json.dumps({"steps": 7, "zero": engine}))
+    nested = resolve({}, str(path))
+    path.write_text(json.dumps({"steps": 7, **engine}))
+    assert resolve({}, str(path)) == nested
+    assert nested.steps == 7
+    assert nested.zero == ZeroConfig(stage=1, mixed_precision="bf16", units=None, prefetch=0,
+                                     sync_module_states=False)
+    path.write_text(json.dumps({"zero": {"stage": 1}}))
+    assert resolve({"stage": 2, "mixed_precision": "bf16"}, str(path)).zero == ZeroConfig(
+        stage=2, mixed_precision="bf16")  # flags win over the file
+    path.write_text(json.dumps({"precision": "bf16"}))  # the trainer's earlier key
+    assert resolve({}, str(path)).zero.mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"zero": {"stages": 1}}, r"unknown keys \['zero.stages'\]; expected some of \['nproc', "),
+    ({"zero": {"stages": 1}}, r"the engine's \['stage', 'mixed_precision', 'reduce_dtype', "),
+    ({"stage": 1, "zero": {"stage": 2}}, "stage is given twice"),
+    ({"precision": "bf16", "mixed_precision": "fp32"}, "mixed_precision is given twice"),
+    ({"zero": {"profile": True}}, "zero.profile follows the trainer's profile, a directory"),
+    ({"zero": 3}, "zero=3 must be a JSON object of engine keys"),
+    ({"zero": {"stage": 7}}, "stage=7 is not a ZeRO stage; expected 0, 1, 2 or 3"),
+    ({"zero": {"units": "layers"}}, "units='layers'; expected 'blocks', 'model' or a "),
+])
+def test_bad_config_files_name_key_and_accepted_values(tmp_path, data, message):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        resolve({}, str(path))
+
+
+def test_engine_flags_reach_the_ranks(capfd):
+    assert main(["train", "--nproc", "2", "--model", "tiny", "--steps", "2", "--batch", "4",
+                 "--eval-every", "2", "--sample-chars", "0", "--stage", "1", "--precision",
+                 "bf16", "--units", "model", "--reduce-bucket-size", "1000"]) == 0
+    out = capfd.readouterr().out
+    assert "ZeRO stage 1, bf16, units=model;" in out
+    assert "(bf16-mixed-adamw, stage 1," in out  # the ranks' engine: their ledger's recipe

@@ -1,5 +1,7 @@
 """Pure unit tests of the engine's pieces: no process group."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -68,6 +70,24 @@ def test_deepspeed_config_names_ignored_keys():
         c = ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "overlap_comm": True},
                                   "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}})
     assert (c.stage, c.mixed_precision) == (2, "bf16")
+
+
+def test_deepspeed_translator_names_keys_and_leaves_handled_ones_to_the_caller(recwarn):
+    ds = {"zero_optimization": {"reduce_bucket_size": 5e8}, "bf16": {"enabled": False},
+          "train_batch_size": 8, "optimizer": {"type": "AdamW"}}
+    c = ZeroConfig.from_deepspeed(ds, handled=("train_batch_size",))
+    assert c == ZeroConfig(stage=0, reduce_bucket_size=500_000_000)  # DeepSpeed's default
+    assert [str(w.message) for w in recwarn.list] == [
+        "DeepSpeed config keys ignored by zeroshard: optimizer"]
+    for bad, message in [
+            ({"zero_optimization": {"stage": 4}},
+             "zero_optimization.stage=4 is not a ZeRO stage; expected 0, 1, 2 or 3"),
+            ({"zero_optimization": {"stage3_param_persistence_threshold": -1}},
+             "zero_optimization.stage3_param_persistence_threshold=-1 must be an integer"),
+            ({"bf16": {"enabled": 1}}, "bf16.enabled=1 must be true or false"),
+            ({"bf16": True}, "bf16=True must be a JSON object")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ZeroConfig.from_deepspeed(bad)
 
 
 def test_shard_without_process_group_is_a_clear_error():

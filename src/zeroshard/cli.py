@@ -15,7 +15,7 @@ COMMANDS = {
     "train": ("zeroshard.train", "train the built-in GPT on the built-in corpus over N processes"),
     "export": ("zeroshard.checkpoint.export_cmd", "a checkpoint as consolidated safetensors"),
     "inspect": ("zeroshard.checkpoint.inspect_cmd", "what a checkpoint holds, checksums checked"),
-    "bench": ("zeroshard.observe.granularity", "benchmarks: unit granularity"),
+    "bench": ("zeroshard.train.granularity", "benchmarks: unit granularity"),
     "demo": ("zeroshard.demo", "the ZeRO-1 experiment of the source documents on real processes"),
 }
 
@@ -55,4 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ValueError as exc:
         sys.stderr.write(f"zeroshard {args.command}: error: {exc}\n")
+        return 2
+    except NotImplementedError as exc:  # a valid request zeroshard does not support
+        sys.stderr.write(f"zeroshard {args.command}: not supported: {exc}\n")
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,22 @@ from ..plan.recipes import RECIPES, Recipe, get_recipe
 #: ``mixed_precision`` shorthands -> recipe names.
 _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adamw",
               "fp16": "fp16-mixed-adamw"}
+
+#: The DeepSpeed keys the engine honours -> the ZeroConfig field each sets (the trainer
+#: honours a few more: ``zeroshard.train.config``).
+DEEPSPEED_KEYS = {
+    "zero_optimization.stage": "stage",
+    "bf16.enabled": "mixed_precision",
+    "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
+    "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
+}
+_DEEPSPEED_SECTIONS = ("zero_optimization", "bf16")
+
+
+def is_deepspeed(d: dict) -> bool:
+    """Whether a config dict is DeepSpeed's (it has one of the sections the engine reads)."""
+    return any(s in d for s in _DEEPSPEED_SECTIONS)
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,7 @@ class ZeroConfig:
     @classmethod
     def from_dict(cls, d: dict) -> ZeroConfig:
         """Our own keys (the field names), or a DeepSpeed config (``zero_optimization``)."""
-        if "zero_optimization" in d or "bf16" in d:
+        if is_deepspeed(d):
             return cls.from_deepspeed(d)
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(d) - known)
@@ -99,27 +116,48 @@ class ZeroConfig:
         return cls(**d)
 
     @classmethod
-    def from_deepspeed(cls, d: dict) -> ZeroConfig:
-        """The DeepSpeed keys zeroshard honours; every other key is named in one warning."""
-        zero = d.get("zero_optimization", {})
-        stage = zero.get("stage", 0)
-        persist = zero.get("stage3_param_persistence_threshold", 0)
-        prefetch = zero.get("stage3_prefetch_bucket_size", 0)
-        bucket = zero.get("reduce_bucket_size", 0)
-        bf16 = d.get("bf16", {}).get("enabled", False)
-        if not isinstance(bf16, bool):
-            raise ValueError(f"bf16.enabled={bf16!r} must be true or false")
-        ignored = sorted([f"zero_optimization.{k}" for k in zero
-                          if k not in ("stage", "stage3_param_persistence_threshold",
-                                       "stage3_prefetch_bucket_size", "reduce_bucket_size")]
-                         + [k for k in d if k not in ("zero_optimization", "bf16")])
+    def from_deepspeed(cls, d: dict, handled: Iterable[str] = ()) -> ZeroConfig:
+        """The DeepSpeed keys zeroshard honours (``DEEPSPEED_KEYS``; DeepSpeed's defaults
+        for those absent, so no ``zero_optimization.stage`` is stage 0). Every other key,
+        except those in ``handled`` (a caller's own, such as the trainer's batch sizes),
+        is named in one warning; a section the engine reads nothing from is named once.
+        A bad value is an error naming its DeepSpeed key and the accepted values."""
+        sections = {}
+        for name in _DEEPSPEED_SECTIONS:
+            sections[name] = d.get(name, {})
+            if not isinstance(sections[name], dict):
+                raise ValueError(f"{name}={sections[name]!r} must be a JSON object")
+        handled = set(handled)
+        ignored = sorted(
+            [f"{s}.{k}" for s in _DEEPSPEED_SECTIONS for k in sections[s]
+             if f"{s}.{k}" not in DEEPSPEED_KEYS and f"{s}.{k}" not in handled]
+            + [k for k in d if k not in _DEEPSPEED_SECTIONS and k not in handled])
         if ignored:
             warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",
                           stacklevel=3)
-        whole = lambda v: int(v) if isinstance(v, float) and v == int(v) else v  # noqa: E731
-        return cls(stage=stage, mixed_precision="bf16" if bf16 else None,
-                   param_persistence_threshold=whole(persist),
-                   prefetch_bucket_size=whole(prefetch), reduce_bucket_size=whole(bucket))
+        kwargs = {"stage": 0}  # DeepSpeed's default: no ZeRO
+        for key, name in DEEPSPEED_KEYS.items():
+            section, _, leaf = key.partition(".")
+            if leaf in sections[section]:
+                kwargs[name] = sections[section][leaf]
+        bf16 = kwargs.pop("mixed_precision", False)
+        if not isinstance(bf16, bool):
+            raise ValueError(f"bf16.enabled={bf16!r} must be true or false")
+        kwargs["mixed_precision"] = "bf16" if bf16 else None
+        for name in ("param_persistence_threshold", "prefetch_bucket_size",
+                     "reduce_bucket_size"):  # DeepSpeed configs write sizes as 5e8
+            v = kwargs.get(name)
+            if isinstance(v, float) and v.is_integer():
+                kwargs[name] = int(v)
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:  # name the DeepSpeed key the value came from
+            message = str(exc)
+            for key, name in DEEPSPEED_KEYS.items():
+                if message.startswith(f"{name}="):
+                    message = key + message[len(name):]
+                    break
+            raise ValueError(message) from None
 
     @classmethod
     def load(cls, config) -> ZeroConfig:

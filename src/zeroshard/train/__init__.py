@@ -5,13 +5,16 @@ Under torchrun the same command runs as one rank of a larger job, e.g. on two 8-
 nodes:
 
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
-           --rdzv-endpoint HOST:29500 -m zeroshard train --stage 3 --precision bf16
+           --rdzv-endpoint HOST:29500 -m zeroshard train --stage 3 --mixed-precision bf16
 
 Flags override --config, which overrides the defaults. --config takes a JSON file of
-this command's settings (the flag names with underscores) or a DeepSpeed config, whose
-zero_optimization.stage, bf16.enabled, gradient_clipping, gradient_accumulation_steps,
-train_micro_batch_size_per_gpu, train_batch_size, reduce_bucket_size,
-stage3_prefetch_bucket_size and stage3_param_persistence_threshold are honoured.
+this command's settings, named as the flags with underscores (the engine's at top level
+or under "zero", as in {"steps": 200, "zero": {"stage": 2, "mixed_precision": "bf16"}}),
+or a DeepSpeed config, whose zero_optimization.stage, bf16.enabled,
+zero_optimization.reduce_bucket_size, .stage3_prefetch_bucket_size,
+.stage3_param_persistence_threshold (read by the engine's translator, as zs.shard reads
+them), gradient_clipping, gradient_accumulation_steps, train_micro_batch_size_per_gpu
+and train_batch_size are honoured; other keys are named in one warning.
 """
 
 from __future__ import annotations
@@ -22,19 +25,60 @@ import os
 import subprocess
 import sys
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 
-from .config import TrainConfig, resolve
+from ..runtime.config import ZeroConfig
+from .config import TrainConfig, engine_keys, resolve
+
+#: How each engine field (ZeroConfig's) shows as a flag named after it (mixed_precision:
+#: --mixed-precision). A field left out still gets a flag, typed after its default.
+_ENGINE_FLAGS = {
+    "stage": dict(metavar="{0,1,2,3}", help="ZeRO stage: 0 DDP; 1 shards optimizer state; "
+                  "2 and gradients; 3 and parameters"),
+    "mixed_precision": dict(metavar="{fp32,bf16,RECIPE}", shown="fp32", help="fp32, bf16 "
+                            "(bf16 compute and gradients, fp32 master and optimizer state) "
+                            "or a recipe name"),
+    "reduce_dtype": dict(metavar="{fp32,bf16}", shown="fp32 under bf16, else the gradients'",
+                         help="dtype gradients are summed in across ranks"),
+    "units": dict(metavar="{blocks,model,N}", help="unit policy: one unit per transformer "
+                  "block, the whole model as one unit, or units of at least N parameters"),
+    "param_persistence_threshold": dict(metavar="N", shown="0: none", help="stage 3: "
+                                        "parameters of fewer than N elements stay whole on "
+                                        "every rank"),
+    "prefetch": dict(metavar="K", help="stage 3: units all-gathered ahead of use"),
+    "prefetch_bucket_size": dict(metavar="N", shown="0: no limit", help="stage 3: elements "
+                                 "prefetched at once (the next unit always is)"),
+    "reduce_bucket_size": dict(metavar="N", shown="0: one per unit", help="coalesce "
+                               "consecutive units' gradient reductions up to N elements"),
+    "sync_module_states": dict(shown="on", help="broadcast rank 0's weights and buffers at "
+                               "shard time"),
+}
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ZeroConfig field the trainer takes, its dest the field's name."""
+    g = p.add_argument_group("engine (ZeroConfig: zs.shard's settings, one flag per field)")
+    defaults = {f.name: f.default for f in fields(ZeroConfig)}
+    for name in engine_keys():
+        spec = dict(_ENGINE_FLAGS.get(name, {}))
+        default = defaults[name]
+        kwargs = {"dest": name, "metavar": spec.pop("metavar", None)}
+        if isinstance(default, bool):
+            kwargs = {"dest": name, "action": argparse.BooleanOptionalAction}
+        elif isinstance(default, (int, float)):
+            kwargs["type"] = type(default)
+        shown = spec.pop("shown", default)
+        help_text = spec.pop("help", f"ZeroConfig.{name}")
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(flag, help=f"{help_text} (default {shown})", **kwargs)
+        if name == "mixed_precision":  # the trainer's earlier name for it
+            g.add_argument("--precision", dest=name, metavar=kwargs["metavar"],
+                           help="alias of --mixed-precision")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--nproc", type=int, help=f"local processes (default {d.nproc})")
-    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
-                   help=f"ZeRO stage (default {d.stage})")
-    p.add_argument("--precision", choices=("fp32", "bf16"), help="default fp32")
-    p.add_argument("--units", help="unit policy: blocks, model, or a parameter count "
-                                   "(default blocks)")
     p.add_argument("--model", help="GPT preset: tiny, small (0.84M, default) or medium (10.8M)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--batch", type=int, help=f"global batch in sequences (default {d.batch})")
@@ -57,9 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "--save-dir; any --nproc and --stage")
     p.add_argument("--init-from", metavar="PATH", help="initial weights from consolidated "
                                                        "safetensors")
-    p.add_argument("--profile", metavar="DIR", help="profile two steps: trace, lifetime chart, "
-                                                    "peak and plan against measurement")
+    p.add_argument("--profile", metavar="DIR", help="profile two steps (turns on the engine's "
+                                                    "profiler): trace, lifetime chart, peak "
+                                                    "and plan against measurement")
     p.add_argument("--config", metavar="FILE", help="JSON settings or a DeepSpeed config")
+    _add_engine_flags(p)
 
 
 def _config(args) -> TrainConfig:
@@ -75,7 +121,7 @@ _ENV = "ZEROSHARD_TRAIN_CONFIG"
 
 def run(args) -> int:
     if _ENV in os.environ:  # a rank started by the launcher below
-        cfg = TrainConfig(**json.loads(os.environ[_ENV]))
+        cfg = TrainConfig.from_dict(json.loads(os.environ[_ENV]), _ENV)
     else:
         cfg = _config(args)  # validate before launching anything
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -94,7 +140,7 @@ def run(args) -> int:
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
     _check_paths(cfg)
     env = dict(os.environ)
-    env[_ENV] = json.dumps(asdict(cfg))
+    env[_ENV] = json.dumps(cfg.to_dict())
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]

@@ -1,13 +1,24 @@
-"""``TrainConfig``: every setting of ``zeroshard train``, from defaults, a JSON file
-(our keys or a DeepSpeed config) and flags, in that order of precedence."""
+"""``TrainConfig``: every setting of ``zeroshard train`` — the engine's ``ZeroConfig``
+nested as ``zero``, the trainer's own beside it — from defaults, a JSON file (our keys, or
+a DeepSpeed config) and flags, in that order of precedence."""
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from .._jsonfile import read_json_object
 from ..models.gpt import PRESETS
+from ..runtime.config import ZeroConfig, is_deepspeed
+
+
+def engine_keys() -> list[str]:
+    """The ZeroConfig fields the trainer takes, in declaration order: all but ``profile``,
+    which follows the trainer's ``profile`` directory."""
+    return [f.name for f in fields(ZeroConfig) if f.init and f.name != "profile"]
+
+
+#: Other names accepted for an engine key in our JSON (the flag has its own alias).
+_ALIASES = {"precision": "mixed_precision"}
 
 
 @dataclass(frozen=True)
@@ -16,19 +27,13 @@ class TrainConfig:
 
     nproc: int = 2
     """Local processes to launch (ignored under torchrun, which sets the world)."""
-    stage: int = 3
-    """ZeRO stage 0-3."""
-    precision: str = "fp32"
-    """"fp32" (4/4/8 bytes per parameter) or "bf16" (bf16 compute, fp32 master: 2/2/12)."""
-    units: str = "blocks"
-    """Unit policy: "blocks" (one unit per transformer block), "model" (one unit), or a
-    parameter count per unit."""
-    param_persistence_threshold: int = 0
-    """Stage 3: parameters with fewer elements stay whole on every rank (no gathers)."""
-    prefetch_bucket_size: int = 0
-    """Stage 3: elements that may be prefetched at once (0: the next unit)."""
-    reduce_bucket_size: int = 0
-    """Elements per coalesced gradient reduction (0: one reduction per unit)."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """The engine's settings, exactly as ``zs.shard`` takes them: stage, mixed_precision,
+    reduce_dtype, units, param_persistence_threshold, prefetch, prefetch_bucket_size,
+    reduce_bucket_size, sync_module_states (see ``ZeroConfig`` for each). A dict of its
+    fields is accepted too. For the built-in GPT ``units`` is "blocks", None (the whole
+    model as one unit; "model" on the command line and in JSON) or a parameter count;
+    ``zero.profile`` is set from ``profile`` below."""
     model: str = "small"
     """Built-in GPT preset: tiny, small or medium."""
     steps: int = 400
@@ -81,19 +86,21 @@ class TrainConfig:
             positive(name)
         for name in ("micro_batch", "clip", "warmup", "save_every"):
             positive(name, allow_none=True)
-        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
-            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision={self.precision!r}; expected 'fp32' or 'bf16'")
         if self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}; expected one of {', '.join(PRESETS)}")
-        if self.units not in ("blocks", "model") and not str(self.units).isdigit():
-            raise ValueError(f"units={self.units!r}; expected 'blocks', 'model' or a "
+        zero = self.zero if isinstance(self.zero, ZeroConfig) else ZeroConfig.load(self.zero)
+        units = zero.units
+        if units == "model":
+            units = None
+        elif isinstance(units, str) and units.isdigit():
+            units = int(units)
+        if not (units in ("blocks", None) or (
+                isinstance(units, int) and not isinstance(units, bool) and units > 0)):
+            raise ValueError(f"units={zero.units!r}; expected 'blocks', 'model' or a "
                              "parameter count")
-        for name in ("param_persistence_threshold", "prefetch_bucket_size",
-                     "reduce_bucket_size"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if (units, self.profile is not None) != (zero.units, zero.profile):
+            zero = replace(zero, units=units, profile=self.profile is not None)
+        object.__setattr__(self, "zero", zero)
         if self.resume == "latest" and not self.save_dir:
             raise ValueError("resume='latest' needs save_dir")
         if self.resume and self.init_from:
@@ -112,68 +119,39 @@ class TrainConfig:
                              f"each of {world} processes takes from batch={self.batch}")
         return micro, per_rank // micro
 
-    def unit_policy(self):
-        return None if self.units == "model" else (
-            int(self.units) if str(self.units).isdigit() else "blocks")
+    def to_dict(self) -> dict:
+        """The settings as JSON-ready data, the engine's under "zero" (``from_dict``
+        reads them back)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "zero"}
+        out["zero"] = {k: getattr(self.zero, k) for k in engine_keys()}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> TrainConfig:
+        """Our JSON keys: the trainer's fields, and the engine's (ZeroConfig's) at top
+        level or under "zero"."""
+        return _build(ZeroConfig(), *_split(d, where))
 
 
-#: DeepSpeed keys zeroshard honours -> TrainConfig field.
-_DEEPSPEED = {
-    "zero_optimization.stage": "stage",
-    "bf16.enabled": "precision",
-    "gradient_clipping": "clip",
-    "train_micro_batch_size_per_gpu": "micro_batch",
-    "train_batch_size": "batch",
-    "gradient_accumulation_steps": None,  # checked against the other two
-    "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
-    "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
-}
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+#: The DeepSpeed keys the trainer honours on top of the engine's
+#: (``zeroshard.runtime.config.DEEPSPEED_KEYS``, translated by ``ZeroConfig.from_deepspeed``).
+TRAINER_DEEPSPEED_KEYS = ("gradient_clipping", "train_micro_batch_size_per_gpu",
+                          "train_batch_size", "gradient_accumulation_steps")
 
 
 def from_deepspeed(ds: dict, nproc: int) -> dict:
-    """TrainConfig fields from a DeepSpeed config; every other key is named in one
-    warning, and a bad value is an error naming its key."""
-    flat = _flatten(ds)
-    out, ignored = {}, []
-    for key in flat:
-        if key not in _DEEPSPEED:
-            ignored.append(key)
-    if "zero_optimization.stage" in flat:
-        out["stage"] = flat["zero_optimization.stage"]
-        if out["stage"] not in (0, 1, 2, 3) or isinstance(out["stage"], bool):
-            raise ValueError(f"zero_optimization.stage={out['stage']!r} is not a ZeRO stage; "
-                             "expected 0, 1, 2 or 3")
-    if "bf16.enabled" in flat:
-        if not isinstance(flat["bf16.enabled"], bool):
-            raise ValueError(f"bf16.enabled={flat['bf16.enabled']!r} must be true or false")
-        out["precision"] = "bf16" if flat["bf16.enabled"] else "fp32"
-    for key in ("gradient_clipping", "train_micro_batch_size_per_gpu", "train_batch_size",
-                "gradient_accumulation_steps"):
-        if key in flat:
-            v = flat[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
-                    key != "gradient_clipping" and (not isinstance(v, int) or v == 0)):
-                raise ValueError(f"{key}={v!r} must be a positive "
-                                 f"{'number' if key == 'gradient_clipping' else 'integer'}")
-    for key in ("zero_optimization.stage3_param_persistence_threshold",
-                "zero_optimization.stage3_prefetch_bucket_size",
-                "zero_optimization.reduce_bucket_size"):
-        if key in flat:
-            v = flat[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != int(v):
-                raise ValueError(f"{key}={v!r} must be a whole number of elements >= 0")
-            out[_DEEPSPEED[key]] = int(v)
+    """TrainConfig keyword arguments from a DeepSpeed config: ``zero`` from the engine's
+    one translator (``ZeroConfig.from_deepspeed``), which names every key neither it nor
+    the trainer honours in one warning; clipping and the batch sizes here. A bad value
+    is an error naming its key."""
+    zero = ZeroConfig.from_deepspeed(ds, handled=TRAINER_DEEPSPEED_KEYS)
+    flat = {k: ds[k] for k in TRAINER_DEEPSPEED_KEYS if k in ds}
+    out: dict = {"zero": zero}
+    for key, v in flat.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
+                key != "gradient_clipping" and (not isinstance(v, int) or v == 0)):
+            raise ValueError(f"{key}={v!r} must be a positive "
+                             f"{'number' if key == 'gradient_clipping' else 'integer'}")
     if "gradient_clipping" in flat:
         out["clip"] = flat["gradient_clipping"] or None  # DeepSpeed: 0 means no clipping
     micro = flat.get("train_micro_batch_size_per_gpu")
@@ -193,29 +171,64 @@ def from_deepspeed(ds: dict, nproc: int) -> dict:
         out["batch"] = total
     if micro is not None:
         out["micro_batch"] = micro
-    if ignored:
-        warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(sorted(ignored))}",
-                      stacklevel=2)
     return out
 
 
-def resolve(flags: dict, config_path: str | None = None) -> TrainConfig:
-    """Defaults, then the JSON file, then the flags that were given (not None)."""
-    known = {f.name for f in fields(TrainConfig)}
-    values: dict = {}
-    if config_path:
-        data = read_json_object(config_path, "config")
-        nproc = flags.get("nproc") or data.get("nproc") or TrainConfig.nproc
-        if "zero_optimization" in data or "bf16" in data or "train_batch_size" in data:
-            values = from_deepspeed(data, nproc)
-        else:
-            unknown = sorted(set(data) - known)
-            if unknown:
-                raise ValueError(f"config {config_path}: unknown keys {unknown}; expected some "
-                                 f"of {sorted(known)} or a DeepSpeed config")
-            values = dict(data)
-    values.update({k: v for k, v in flags.items() if v is not None and k in known})
+def _split(d: dict, where: str) -> tuple[dict, dict]:
+    """Our JSON: (the trainer's fields, the engine's) — engine keys at top level or under
+    "zero"; an unknown key or one given twice is an error naming the accepted ones."""
+    trainer_keys = [f.name for f in fields(TrainConfig) if f.name != "zero"]
+    engine = engine_keys()
+    nested = d.get("zero", {})
+    if not isinstance(nested, dict):
+        raise ValueError(f"{where}: zero={nested!r} must be a JSON object of engine keys "
+                         f"({', '.join(engine)})")
+    trainer, eng, unknown = {}, {}, []
+    for prefix, items in (("", d.items()), ("zero.", nested.items())):
+        for key, value in items:
+            name = _ALIASES.get(key, key)
+            if not prefix and key in trainer_keys:
+                trainer[key] = value
+            elif name in engine:
+                if name in eng:
+                    raise ValueError(f"{where}: {name} is given twice (at top level, under "
+                                     "'zero' or as an alias); give it once")
+                eng[name] = value
+            elif prefix and key == "profile":
+                raise ValueError(f"{where}: zero.profile follows the trainer's profile, a "
+                                 "directory for the trace and chart; give that at top level")
+            elif prefix or key != "zero":
+                unknown.append(prefix + key)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected some of "
+                         f"{trainer_keys}, the engine's {engine} (at top level or under "
+                         "'zero'), or a DeepSpeed config")
+    return trainer, eng
+
+
+def _build(zero: ZeroConfig, trainer: dict, engine: dict) -> TrainConfig:
+    """``zero`` with ``engine``'s fields replaced, nested in a TrainConfig of ``trainer``'s:
+    each validates once, at its construction."""
     try:
-        return replace(TrainConfig(), **values)
+        return TrainConfig(zero=replace(zero, **engine), **trainer)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+
+
+def resolve(flags: dict, config_path: str | None = None) -> TrainConfig:
+    """Defaults, then the JSON file, then the flags that were given (not None). ``flags``
+    are named as the fields: the trainer's and the engine's (ZeroConfig's) side by side."""
+    trainer_keys = {f.name for f in fields(TrainConfig)} - {"zero"}
+    engine_set = set(engine_keys())
+    zero, trainer, engine = ZeroConfig(), {}, {}
+    if config_path:
+        data = read_json_object(config_path, "config")
+        if is_deepspeed(data) or any(k in data for k in TRAINER_DEEPSPEED_KEYS):
+            trainer = from_deepspeed(data, flags.get("nproc") or TrainConfig.nproc)
+            zero = trainer.pop("zero")
+        else:
+            trainer, engine = _split(data, f"config {config_path}")
+    given = {k: v for k, v in flags.items() if v is not None}
+    trainer.update({k: v for k, v in given.items() if k in trainer_keys})
+    engine.update({k: v for k, v in given.items() if k in engine_set})
+    return _build(zero, trainer, engine)

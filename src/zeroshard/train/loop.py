@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from .. import shard  # the public zs.shard, wherever the engine defines it
 from ..checkpoint import load, load_pretrained, save
 from ..data import Corpus, decode
 from ..models.gpt import GPT, get_preset
-from ..runtime.config import ZeroConfig
 from ..runtime.dist import default_device, init_distributed
-from ..runtime.sharded import shard
 from . import report
 from .config import TrainConfig
 from .profile import profile_report
@@ -66,12 +64,7 @@ def train(cfg: TrainConfig) -> dict:
     gpt_cfg = get_preset(cfg.model)
     seq_len = gpt_cfg.block_size
     torch.manual_seed(cfg.seed)
-    model = shard(GPT(gpt_cfg), config=ZeroConfig(
-        stage=cfg.stage, units=cfg.unit_policy(),
-        mixed_precision=None if cfg.precision == "fp32" else cfg.precision,
-        param_persistence_threshold=cfg.param_persistence_threshold,
-        prefetch_bucket_size=cfg.prefetch_bucket_size, reduce_bucket_size=cfg.reduce_bucket_size,
-        profile=cfg.profile is not None))
+    model = shard(GPT(gpt_cfg), config=cfg.zero)
     if model.profiler is not None:
         model.profiler.enabled = False
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -144,7 +137,7 @@ def train(cfg: TrainConfig) -> dict:
                                  or step + 1 == cfg.steps):
                 save(model, optimizer, Path(cfg.save_dir) / f"step-{step + 1:06d}",
                      extra={"step": step + 1, "scheduler": scheduler.state_dict(),
-                            "config": asdict(cfg)})
+                            "config": cfg.to_dict()})
                 model.comm_stats(reset=True)
             if log:
                 log.write(json.dumps(record) + "\n")

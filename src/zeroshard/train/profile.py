@@ -32,7 +32,7 @@ def profile_report(model, cfg, gpt_cfg, micro: int, rank: int, out) -> None:
     statement = prof.peak_statement()
     if rank == 0:
         lifetime_chart(prof, str(folder / "lifetimes.png"),
-                       f"GPT {cfg.model}, ZeRO stage {cfg.stage}, rank 0")
+                       f"GPT {cfg.model}, ZeRO stage {cfg.zero.stage}, rank 0")
     params = sum(u.w_layout.numel for u in model.units)
     spec = ModelSpec(cfg.model, params, gpt_cfg.hidden, gpt_cfg.layers, gpt_cfg.heads)
     plan = predicted(model, spec, Workload(micro * gpt_cfg.block_size, gpt_cfg.block_size,

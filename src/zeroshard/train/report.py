@@ -28,10 +28,12 @@ class Reporter:
     def start(self, val_loss: float, first_step: int = 0) -> None:
         if not self.enabled:
             return
-        c = self.cfg
+        c, z = self.cfg, self.cfg.zero
+        units = "model" if z.units is None else z.units
         self.console.print(
             f"zeroshard train: GPT {c.model} ({self.params:,} params), {self.world} processes, "
-            f"ZeRO stage {c.stage}, {c.precision}, units={c.units}; global batch {c.batch} = "
+            f"ZeRO stage {z.stage}, {z.mixed_precision or 'fp32'}, units={units}; global "
+            f"batch {c.batch} = "
             f"{self.world} x {self.micro} x {self.accum} micro-batch(es), {c.steps} steps")
         resumed = " (resumed)" if first_step else ""
         self.console.print(f"step {first_step}{resumed}: val loss {val_loss:.4f}")
@@ -62,7 +64,7 @@ class Reporter:
     def summary(self, memories: list[dict], comm: dict, recipe) -> None:
         if not self.enabled:
             return
-        stage = self.cfg.stage
+        stage = self.cfg.zero.stage
         weights, grads, optimizer = model_state_bytes(self.params, self.world, recipe, stage)
         t = Table(title=f"memory per rank (MB): measured by the ledger / planned "
                         f"({recipe.name}, stage {stage}, N = {self.world})",
