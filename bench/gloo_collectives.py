@@ -22,8 +22,8 @@ def _rank(numel: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zeroshard.observe.ledger import Ledger
     from zeroshard.runtime.collectives import Collectives
+    from zeroshard.runtime.ledger import Ledger
 
     n, r = dist.get_world_size(), dist.get_rank()
     comm = Collectives(Ledger())

@@ -395,13 +395,70 @@ def behaviour_grid():
     return out
 
 
+def misuse_grid():
+    """The step cycle misused: each a clear error on every rank, never a hang."""
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except (ValueError, NotImplementedError) as exc:
+            out[key] = (type(exc).__name__, str(exc))
+
+    net = zs.shard(build("mlp"), stage=3)
+    attempt("shard_twice", lambda: zs.shard(net, stage=2))
+    attempt("shard_inside", lambda: zs.shard(nn.Sequential(net), stage=1))
+    for stage in (0, 3):
+        net = zs.shard(build("mlp"), stage=stage)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x, y = batch("mlp", 0)
+
+        def step_in_backward(net=net, opt=opt, x=x, y=y):
+            loss = net(x, y)
+            loss.register_hook(lambda g: opt.step())
+            loss.backward()
+
+        attempt(("step_in_backward", stage), step_in_backward)
+        net = zs.shard(build("mlp"), stage=stage)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def backward_in_step(net=net, opt=opt, x=x, y=y):
+            net(x, y).backward()
+
+            def closure():
+                loss = net(x, y)
+                loss.backward()
+                return loss
+            opt.step(closure)
+
+        attempt(("backward_in_step", stage), backward_in_step)
+        net = zs.shard(build("mlp"), stage=stage, mixed_precision="bf16")
+        decay = [p for p in net.parameters() if p.dim() >= 2]
+        rest = [p for p in net.parameters() if p.dim() < 2]
+        opts = [torch.optim.AdamW(decay, lr=0.1), torch.optim.SGD(rest, lr=0.1)]
+
+        def two_optimizers(net=net, opts=opts, x=x, y=y):
+            net(x, y).backward()
+            for o in opts:
+                o.step()
+
+        attempt(("two_optimizers", stage), two_optimizers)
+        # the ordinary loop still runs after the refusal of the second optimizer
+        net(x, y).backward()
+        opts[0].step()
+        net.zero_grad()
+        out[("after_refusal", stage)] = net.cycle.state.value
+    return out
+
+
 def collectives_grid():
     """The engine's reduce-scatter and all-gather (on gloo: an all-reduce in place and
     N broadcasts, ``runtime/collectives.py``) against torch's own, bit for bit, over the
     whole world and over two halves of it; then stages 0-3 trained over the halves."""
-    from zeroshard.observe.ledger import Ledger
     from zeroshard.runtime import collectives
     from zeroshard.runtime.collectives import Collectives
+    from zeroshard.runtime.ledger import Ledger
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # a group of the halves' first ranks: members of one half now belong to different

@@ -27,7 +27,24 @@ def _n2():
         "ledger": cases.ledger_grid(),
         "behaviour": cases.behaviour_grid(),
         "freed": cases.freed_when_dropped(),
+        "misuse": cases.misuse_grid(),
     }
+
+
+def test_misuse_is_one_clear_error(n2):
+    m = n2["misuse"]
+    for key in ("shard_twice", "shard_inside"):
+        assert m[key][0] == "ValueError" and "is already sharded" in m[key][1], m[key]
+        assert "zs.shard() takes the original module once" in m[key][1]
+    for stage in (0, 3):
+        kind, msg = m[("step_in_backward", stage)]
+        assert kind == "ValueError" and "while the model is in state 'backward'" in msg, msg
+        assert "after loss.backward() returns" in msg
+        kind, msg = m[("backward_in_step", stage)]
+        assert "a backward pass began while the model is in state 'step'" in msg, msg
+        kind, msg = m[("two_optimizers", stage)]
+        assert kind == "NotImplementedError" and "Put every parameter in one optimizer" in msg
+        assert m[("after_refusal", stage)] == "idle"
 
 
 def test_dropped_model_is_freed_and_unhooked(n2):

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first attribute access (PEP 562).
 _LAZY = {
     "init_distributed": "zeroshard.runtime.dist",
-    "shard": "zeroshard.runtime.sharded",
+    "shard": "zeroshard.api",
     "ShardedModel": "zeroshard.runtime.sharded",
     "ZeroConfig": "zeroshard.runtime.config",
     "init_weights": "zeroshard.runtime.materialize",

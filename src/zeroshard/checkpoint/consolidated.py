@@ -120,5 +120,5 @@ def load_pretrained(model, path: str | Path) -> None:
         for name, buf in model.module.named_buffers():
             if name in wmap:
                 buf.copy_(TensorFile(str(wmap[name])).rows(name))
-    model._refresh_compute()
+    model.refresh_compute()
     dist.barrier(model.comm.group)

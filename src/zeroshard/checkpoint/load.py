@@ -85,7 +85,7 @@ def _check_groups(manifest, model, optimizer, ckpt) -> str | None:
     saved = (manifest.get("optimizer") or {}).get("param_groups")
     if saved is None:
         return f"{ckpt}: saved without an optimizer, cannot restore {type(optimizer).__name__}"
-    names = {id(s): n for n, s in model._named_shards}
+    names = {id(s): n for n, s in model.named_shards()}
     if len(saved) != len(optimizer.param_groups):
         return (f"{ckpt}: {len(saved)} optimizer param groups saved, the optimizer has "
                 f"{len(optimizer.param_groups)}")
@@ -131,4 +131,4 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
             buf.copy_(f0.rows(f"{name}::buffer"))
         if manifest["world"] == world:
             torch.set_rng_state(opened(f"rank{rank:05d}.safetensors").rows("__rng_state__"))
-    model._refresh_compute()
+    model.refresh_compute()

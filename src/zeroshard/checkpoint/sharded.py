@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..runtime.layout import dim0_chunk
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
 FORMAT = "zeroshard-checkpoint"
@@ -44,10 +45,9 @@ def _rows(shape) -> int:
 
 
 def own_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """Rows [a, b) that rank r of ``world`` holds in a checkpoint (dim-0 chunks)."""
-    c = -(-rows // world)
-    a = min(rows, rank * c)
-    return a, min(rows, a + c)
+    """Rows [a, b) that rank r of ``world`` holds in a checkpoint: its dim-0 chunk, the
+    same arithmetic as the engine's shards (``runtime/layout.py``)."""
+    return dim0_chunk(rows, rank, world)
 
 
 class _Entry:
@@ -59,11 +59,8 @@ class _Entry:
         self.shape = tuple(unit.params[index].shape)
         self.rows = _rows(self.shape)
         self.trainable = index in unit.trainable
-        # A frozen parameter below stage 3 lives whole in its compute weights; anything
-        # else is read and written through the optimizer-facing shard (the master).
-        self.source = self.shard if self.trainable or unit.stage == 3 else unit.params[index]
-        self.first = 0 if self.source is not self.shard else unit.rank * -(-self.rows //
-                                                                            unit.world)
+        # the optimizer-facing shard (the master), or a frozen parameter kept whole
+        self.source, self.first = unit.held_rows(index)
         self.count = (self.source.shape[0] if self.source.dim() else 1)
         self.row = self.source.numel() // self.count if self.count else 0  # elements per row
         if not self.count:  # no rows here (fewer rows than ranks): the row size from the shape
@@ -81,7 +78,7 @@ class _Entry:
 def entries(model) -> list[_Entry]:
     by_name = {u.names[i]: _Entry(u.names[i], u, i) for u in model.units
                for i in range(len(u.names))}
-    return [by_name[n] for n, _ in model._named_shards]
+    return [by_name[n] for n, _ in model.named_shards()]
 
 
 def _state(optimizer, shard) -> dict:
@@ -158,7 +155,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
 
 
 def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
-    names = {id(s): n for n, s in model._named_shards}
+    names = {id(s): n for n, s in model.named_shards()}
     groups = []
     for g in (optimizer.param_groups if optimizer is not None else []):
         hyper = {k: v for k, v in g.items() if k != "params"
@@ -166,7 +163,7 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         groups.append({**hyper, "params": [names[id(p)] for p in g["params"]]})
     manifest = {
         "format": FORMAT, "version": 1, "world": model.comm.dp_world,
-        "stage": model.stage, "recipe": model.config.recipe.name,
+        "stage": model.config.stage, "recipe": model.config.recipe.name,
         "params": {e.name: {"shape": list(e.shape), "dtype": str(e.source.dtype)[6:],
                             "trainable": e.trainable} for e in entries(model)},
         "buffers": {n: list(b.shape) for n, b in model.module.named_buffers()},

@@ -1,1 +1,1 @@
-"""The observatory: the ledger of bytes allocated per category and bytes sent per collective."""
+"""The observatory: the profiler (it listens to the engine's events), traces, charts."""

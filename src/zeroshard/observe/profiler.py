@@ -3,7 +3,8 @@ at each event, and every collective with its issue time, completion and wait.
 
 The source document's exercise (``seeds/002``): draw each unit's parameter and gradient
 lifetimes through forward and backward, find the measured peak and what coexists at it.
-Bytes are read off the tensors the engine holds (``observe.memory.measure``) and, for
+It subscribes to the engine's lifecycle events (``runtime/events.py``). Bytes are read
+off the tensors the engine holds (``ShardedModel.memory``) and, for
 activations, counted by saved-tensor hooks: a tensor autograd saves for backward is
 counted from the moment it is saved until backward unpacks it (parameters, which
 autograd saves too, are not activations). On CUDA ``torch.cuda.memory_allocated`` is
@@ -12,17 +13,16 @@ recorded beside them.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .memory import measure
+from ..runtime.events import KINDS
+from ..runtime.unitview import UnitState
 
-#: Lifecycle events, in the order a stage-3 unit goes through them.
-KINDS = ("forward_begin", "gather_issued", "gather_done", "forward_end", "release",
-         "backward_begin", "backward_end", "reduce_issued", "reduce_done", "step_begin",
-         "step_end")
+__all__ = ["KINDS", "Event", "Profiler"]
 
 
 @dataclass
@@ -39,7 +39,8 @@ class Event:
 
 
 class Profiler:
-    """Collects events and collective records for one sharded model on this rank."""
+    """Collects events and collective records for one sharded model on this rank: a
+    listener of ``model.events``."""
 
     def __init__(self, model):
         self.model = model
@@ -51,6 +52,7 @@ class Profiler:
         self.enabled = True
         self.activation_bytes = 0
         self._saved: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        model.events.subscribe(self)
 
     @property
     def enabled(self) -> bool:
@@ -62,16 +64,19 @@ class Profiler:
         self._enabled = value
         self.model.comm.trace = self.collectives if value else None
 
-    def event(self, kind: str, unit=None) -> None:
+    def event(self, kind: str, unit=None, optimizer=None) -> None:
+        if optimizer is not None:
+            self.optimizer = optimizer
         if not self.enabled:
             return
-        mem = measure(self.model.units, self.optimizer)
+        mem = self.model.memory(self.optimizer)
         mem["activations"] = self.activation_bytes
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             mem["cuda_allocated"] = torch.cuda.memory_allocated()
         gathered = {u.index: "prefetched" if u.prefetched else
-                    ("current" if u.state.value == "gathered" else "arriving")
-                    for u in self.model.units if u.stage == 3 and u.state.value != "sharded"}
+                    ("current" if u.state is UnitState.GATHERED else "arriving")
+                    for u in self.model.units
+                    if u.policy.shards_params and u.state is not UnitState.SHARDED}
         self.events.append(Event(time.perf_counter() - self.t0, kind,
                                  None if unit is None else unit.index, mem, gathered))
 
@@ -101,6 +106,10 @@ class Profiler:
 
     def saved_tensors(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def forward_context(self):
+        """The model's forward runs inside this: activations are counted while enabled."""
+        return self.saved_tensors() if self.enabled else contextlib.nullcontext()
 
     # -- reading the record ---------------------------------------------------------------
     def total(self, e: Event) -> int:

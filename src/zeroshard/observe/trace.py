@@ -27,15 +27,16 @@ def param_lifetimes(prof: Profiler):
     spans = _spans(prof, "gather_done", "release")
     end = prof.events[-1].t if prof.events else 0.0
     released = {u for u, _, _ in spans}
-    always = [u.index for u in prof.model.units if u.stage < 3 and u.index not in released]
+    always = [u.index for u in prof.model.units
+              if not u.policy.shards_params and u.index not in released]
     return spans + [(u, 0.0, end) for u in always]
 
 
 def grad_lifetimes(prof: Profiler):
     """When each unit's full gradients are alive: from its backward to the reduction
     that frees them (stages 2-3), or to the optimizer step (stages 0-1)."""
-    stage = prof.model.stage
-    return _spans(prof, "backward_begin", "reduce_issued" if stage >= 2 else "step_end")
+    freed = not prof.model.policy.keeps_full_grads
+    return _spans(prof, "backward_begin", "reduce_issued" if freed else "step_end")
 
 
 def chrome_trace(prof: Profiler, path: str, rank: int = 0) -> None:

@@ -12,9 +12,9 @@ Patarasuk and Yuan, 2009): over n ranks a reduce-scatter or all-gather of T byte
 ``(n-1)·α + (n-1)/n·T/β``, an all-reduce twice that, on the slowest network level the
 ring spans (:meth:`Cluster.link`).
 
-**Overlap, as zeroshard's engine schedules it** (``runtime/sharded.py``): one serial
-link carries the data-parallel collectives in issue order; the compute stream waits on
-them only where the engine waits:
+**Overlap, as zeroshard's engine schedules it** (``runtime/backward.py``,
+``runtime/sharded.py``): one serial link carries the data-parallel collectives in issue
+order; the compute stream waits on them only where the engine waits:
 
 - every stage reduces each unit's gradients once its backward is done, in reverse
   forward order — stages 1–3 with at most two in flight (a third waits for the oldest),
@@ -262,7 +262,7 @@ def _pass(t: float, link: _Link, units: int, compute: float, gather: float | Non
 
 def _sync(t: float, link: _Link, units: int, gather: float, make: float,
           unpack: float) -> float:
-    """Stages 1-2 after the step (``ShardedModel._after_step``): per unit its input is
+    """Stages 1-2 after the step (``ShardedModel.after_step``): per unit its input is
     made (``make`` seconds) and its all-gather issued, then the previous unit's is waited
     and unpacked; the next forward waits for and unpacks the last."""
     prev = None

@@ -12,26 +12,16 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def clip_grad_norm(units, comm, stage: int, max_norm: float,
-                   norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip by the global norm over all ranks' shards (padding never counts); return
-    the norm. Each rank sums ``|g|^p`` over the rows it owns — at stage 0 over the
-    rows it *would* own at N ranks — and one all-reduce adds them, so every stage
-    computes the same norm bit for bit."""
+    the norm. Each rank sums ``|g|^p`` over the rows it owns — where its shard is whole
+    (stage 0) over the rows it *would* own at N ranks (``Unit.norm_grads``) — and one
+    all-reduce adds them, so every stage computes the same norm bit for bit."""
     norm_type = float(norm_type)
-    n, r = comm.dp_world, comm.dp_rank
-    parts, grads = [], []
-    for u in units:
-        for i in u.trainable:
-            g = u.shards[i].grad
-            if g is None:
-                continue
-            grads.append(g)
-            if stage == 0:  # this rank's would-be shard rows
-                rows = u.params[i].shape[0] if u.params[i].dim() else 1
-                c = -(-rows // n)
-                g = g.reshape(rows, -1)[r * c:(r + 1) * c]
-            parts.append(torch.linalg.vector_norm(g, norm_type, dtype=torch.float64))
+    parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
+             for u in units for g in u.norm_grads()]
+    grads = [u.shards[i].grad for u in units for i in u.trainable
+             if u.shards[i].grad is not None]
     local = (torch.stack(parts) if parts else
              torch.zeros(1, dtype=torch.float64, device=units[0].device))
     if norm_type == float("inf"):

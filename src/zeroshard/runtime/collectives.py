@@ -30,8 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..observe.ledger import Ledger
 from ..plan.hardware import GLOO_BROADCAST_MAX
+from .ledger import Ledger
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

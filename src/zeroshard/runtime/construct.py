@@ -9,6 +9,8 @@ import torch.nn as nn
 
 from .collectives import Collectives
 from .dist import default_device
+from .events import Events
+from .policy import ShardPolicy
 from .unit import Unit
 
 
@@ -39,8 +41,8 @@ def broadcast_state(module: nn.Module, comm: Collectives) -> None:
             t.copy_(v)
 
 
-def build_units(module: nn.Module, inner: list[nn.Module], config, comm: Collectives,
-                materializer) -> list[Unit]:
+def build_units(module: nn.Module, inner: list[nn.Module], config, policy: ShardPolicy,
+                comm: Collectives, materializer, events: Events) -> list[Unit]:
     """A parameter belongs to the innermost unit that contains every module that
     registers it: a weight tied across two units (embedding and output head) moves
     to their common ancestor, which is gathered while both use it."""
@@ -61,7 +63,7 @@ def build_units(module: nn.Module, inner: list[nn.Module], config, comm: Collect
     for n, p in module.named_parameters():
         groups[id(owner.get(id(p), module))].append(n)
     persistent: list[str] = []
-    threshold = config.param_persistence_threshold if config.stage == 3 else 0
+    threshold = config.param_persistence_threshold if policy.shards_params else 0
     if threshold:
         for names_ in groups.values():
             persistent += [n for n in names_ if module.get_parameter(n).numel() < threshold]
@@ -73,12 +75,12 @@ def build_units(module: nn.Module, inner: list[nn.Module], config, comm: Collect
             materializer.materialize([module.get_parameter(n) for n in groups[id(m)]])
         params = [(n, module.get_parameter(n)) for n in groups[id(m)]]
         if params or m is module:
-            units.append(Unit(len(units), m, params, config.stage, recipe, comm, device))
-    if persistent:  # whole on every rank: stage 2's layout inside a stage-3 model,
+            units.append(Unit(len(units), m, params, policy, recipe, comm, device, events))
+    if persistent:  # whole on every rank (stage 2's layout inside a stage-3 model),
         # built last (their modules are materialized by now) and reduced last
         if materializer is not None:
             materializer.materialize([module.get_parameter(n) for n in persistent])
         units.insert(0, Unit(len(units), module,
-                             [(n, module.get_parameter(n)) for n in persistent], 2,
-                             recipe, comm, device))
+                             [(n, module.get_parameter(n)) for n in persistent],
+                             policy.whole_params(), recipe, comm, device, events))
     return units

@@ -24,6 +24,18 @@ from dataclasses import dataclass
 import torch
 
 
+def dim0_chunk(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[a, b)`` of a parameter of ``rows`` rows that ``rank`` of ``world`` owns:
+    chunks of c = ceil(rows / world) rows; the last ranks' chunks may be short or empty.
+    The one place this arithmetic lives: the layout, clipping and checkpoints use it."""
+    return _chunk(rows, rank, -(-rows // world))
+
+
+def _chunk(rows: int, rank: int, c: int) -> tuple[int, int]:
+    a = min(rows, rank * c)
+    return a, min(rows, a + c)
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter sits in a unit's slot."""
@@ -48,7 +60,8 @@ class ParamSlot:
 
     def real_rows(self, rank: int) -> int:
         """Rows of this parameter that rank owns (the rest of its chunk is padding)."""
-        return max(0, min(self.chunk_rows, self.rows - rank * self.chunk_rows))
+        a, b = _chunk(self.rows, rank, self.chunk_rows)
+        return b - a
 
     def shard_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of rank's shard as the optimizer sees it: ``[real_rows, *shape[1:]]``."""
@@ -65,7 +78,7 @@ class ShardLayout:
         for shape in shapes:
             rows = shape[0] if shape else 1
             row_numel = math.prod(shape[1:]) if shape else 1
-            chunk_rows = -(-rows // world)
+            chunk_rows = -(-rows // world)  # c, as in dim0_chunk
             self.slots.append(ParamSlot(tuple(shape), rows, row_numel, chunk_rows, offset))
             offset += chunk_rows * row_numel
         self.slot_numel = offset

@@ -33,10 +33,11 @@ NOT_ELEMENTWISE = {
 _warned: set[str] = set()
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, stage: int) -> None:
-    """Refuse, at stage >= 1, an optimizer whose update is not elementwise."""
+def check_optimizer(optimizer: torch.optim.Optimizer, policy) -> None:
+    """Refuse an optimizer whose update is not elementwise where it steps slices."""
     name = type(optimizer).__name__
-    if stage == 0 or name in ELEMENTWISE:
+    stage = policy.stage
+    if not policy.checks_elementwise or name in ELEMENTWISE:
         return
     if name in NOT_ELEMENTWISE:
         raise ValueError(
@@ -58,21 +59,21 @@ _HOOKS: list = []
 
 def _owners(optimizer):
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [m for m in list(_LIVE) if ids & m._shard_ids]
+    return [m for m in list(_LIVE) if m.holds_any(ids)]
 
 
 def _pre_step(optimizer, args, kwargs) -> None:
     for m in _owners(optimizer):
-        m._before_step(optimizer)
+        m.before_step(optimizer)
 
 
 def _post_step(optimizer, args, kwargs) -> None:
     for m in _owners(optimizer):
-        m._after_step()
+        m.after_step()
 
 
 def register_for_step_hooks(model) -> None:
-    """Let ``model._before_step(opt)`` / ``model._after_step()`` run around every step
+    """Let ``model.before_step(opt)`` / ``model.after_step()`` run around every step
     of an optimizer that holds its shards. The hooks are installed once per process:
     every torch optimizer's step passes through them, and they act only for the live
     sharded models whose shards that optimizer holds."""

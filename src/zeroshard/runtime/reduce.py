@@ -2,7 +2,7 @@
 
 The engine (``sharded.py``) decides *when* a unit's reduction is issued (in a fixed
 order, every rank the same); this module packs the units' local gradients into one
-communication buffer and starts the all-reduce (stage 0) or reduce-scatter over it.
+communication buffer and starts the collective the policy names over it.
 Each unit lands its share later in :meth:`Unit.wait_reduce`.
 """
 
@@ -13,10 +13,10 @@ import torch
 from .unit import Unit
 
 
-def issue_reduce(units: list[Unit], free_full: bool) -> None:
+def issue_reduce(units: list[Unit]) -> None:
     """Pack the local gradients of ``units`` — plus one presence flag per parameter, so a
     parameter that no rank saw gets no update — into one buffer and start one all-reduce
-    (stage 0) or reduce-scatter over it. One unit is the usual bucket; with
+    (full gradients averaged, stage 0) or reduce-scatter over it. One unit is the usual bucket; with
     ``reduce_bucket_size`` consecutive units share one collective.
 
     Rank r's slot of the buffer is [unit 1's slot r | its flags | unit 2's slot r | ...],
@@ -26,11 +26,11 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
     units = [u for u in units if u.trainable]
     if not units:
         return
-    first = units[0]
+    first = units[0]  # the units of a model share one policy and one recipe
     n, comm = first.comm.dp_world, first.comm
     tensors, spans, base = [], [], 0
     for u in units:
-        grads, flags = u._local_grads()
+        grads, flags = u.local_grads()
         tensors += grads + [flags.expand(n, len(u.trainable))]
         width = u.r_layout.slot_numel + len(u.trainable)
         spans.append((base, base + width))
@@ -38,7 +38,7 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
     buf = torch.empty(n * base, dtype=first.reduce_dtype, device=first.device)
     torch._chunk_cat(tensors, 0, n, out=buf.view(n, base))
     label = [u.index for u in units] if len(units) > 1 else first.index
-    if first.stage == 0:
+    if first.policy.reduce == "all_reduce":
         work = comm.all_reduce(buf, grads=True, async_op=True, unit=label)
         out = buf.view(n, base)
         parts = [out[:, a:b] for a, b in spans]  # [N, S + F] each
@@ -47,9 +47,4 @@ def issue_reduce(units: list[Unit], free_full: bool) -> None:
         work = comm.reduce_scatter(out, buf, mean=True, async_op=True, unit=label)
         parts = [out[a:b] for a, b in spans]
     for u, part in zip(units, parts):
-        u._in_flight = (work, buf, part)
-        if free_full:
-            for i in u.trainable:
-                u.params[i].grad = None
-        if u.prof:
-            u.prof.event("reduce_issued", u)
+        u.reduction_issued(work, buf, part)

@@ -1,7 +1,8 @@
 """A unit: the parameters gathered together and reduced together.
 
-One code path for every stage. Stage k shards the first k of (optimizer state,
-gradients, parameters) (ZeRO paper, section 5):
+One code path for every stage; what differs is asked of the unit's
+:class:`~zeroshard.runtime.policy.ShardPolicy` (which of optimizer state, gradients
+and parameters are sharded, and what follows from it):
 
 | stage | compute weights      | stored gradients          | master + optimizer state |
 |-------|----------------------|---------------------------|--------------------------|
@@ -11,46 +12,35 @@ gradients, parameters) (ZeRO paper, section 5):
 | 3     | shard, gathered per use | shard                  | shard                    |
 
 Stage 0 is the same machinery with a shard group of one for the optimizer state.
+Others read a unit through the public methods of :class:`UnitView` (``unitview.py``).
 """
 
 from __future__ import annotations
-
-import enum
 
 import torch
 import torch.nn as nn
 
 from .collectives import Collectives
 from .dist import TORCH_DTYPES
+from .events import Events
 from .layout import ShardLayout
+from .policy import AfterStep, FullGrads, ShardPolicy
+from .unitview import UnitState, UnitView
 
 
-class UnitState(enum.Enum):
-    """What a unit's full parameters hold."""
-
-    SHARDED = "sharded"
-    """Stage 3 between uses: full parameters have zero-size storage; only the slot of
-    compute weights (1/N of the unit, padded) is held."""
-    GATHERING = "gathering"
-    """Stage 3: an all-gather is in flight (a prefetch); the full parameters are still
-    empty, the gathered [N, S] buffer is allocated."""
-    GATHERED = "gathered"
-    """Full parameters allocated and filled: always below stage 3; at stage 3 from
-    the unit's gather before forward (or backward) to its release after it."""
-
-
-class Unit:
+class Unit(UnitView):
     """Shards, gradients and collectives of one group of parameters."""
 
     def __init__(self, index: int, module: nn.Module, named_params: list[tuple[str, nn.Parameter]],
-                 stage: int, recipe, comm: Collectives, device: torch.device):
-        self.index, self.module, self.stage, self.comm = index, module, stage, comm
+                 policy: ShardPolicy, recipe, comm: Collectives, device: torch.device,
+                 events: Events):
+        self.index, self.module, self.policy, self.comm = index, module, policy, comm
+        self.events = events
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
-        # Optimizer state is sharded from stage 1; stage 0 is a shard group of one.
-        self.world = comm.dp_world if stage >= 1 else 1
-        self.rank = comm.dp_rank if stage >= 1 else 0
+        # rank and world of the optimizer state's shard group (a group of one at stage 0)
+        self.rank, self.world = policy.shard_coords(comm.dp_rank, comm.dp_world)
         self.w_layout = ShardLayout([tuple(p.shape) for p in self.params], self.world)
         self.g_layout = ShardLayout([tuple(self.params[i].shape) for i in self.trainable],
                                     self.world)
@@ -95,10 +85,10 @@ class Unit:
             p.data = flat[:slot.numel].view(slot.shape)
             self.padded.append(buf)
             del src
-        self.w_shard = None  # 1D [S_w], stage 3: this rank's slot of compute weights
-        if stage == 3:
+        self.w_shard = None  # 1D [S_w], sharded parameters: this rank's slot of compute weights
+        if policy.shards_params:
             self.w_shard = torch.cat([buf[self.rank] for buf in self.padded])
-        # 1D [S_g], stages 1-3: this cycle's reduced gradients (accumulated over its
+        # 1D [S_g], reduce-scattered gradients: this cycle's reduced gradients (accumulated over its
         # backwards at stages 2-3); made by the cycle's first reduction, dropped after the step
         self.grad_shard = None
         self.shards = self._make_shards()
@@ -109,11 +99,10 @@ class Unit:
         self.presence = None  # [F] per trainable param: ranks x micro-batches with a gradient
         self._in_flight = None  # (work, buffers...) of an issued reduction
         self._sync_work = None  # all-gather of updated weights after a step
-        self._gather_work = None  # stage 3: (work, [N, S] buffer) of an issued gather
-        self.prof = None  # the profiler, in profiling mode
+        self._gather_work = None  # sharded parameters: (work, [N, S] buffer) of a gather
         self.prefetched = False  # gathered ahead of use, not used yet
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
-        if stage == 3:
+        if policy.shards_params:
             self.release()
 
     # -- construction ---------------------------------------------------------------
@@ -121,7 +110,8 @@ class Unit:
         """The parameters the optimizer sees: views of this rank's rows, shaped
         ``[real_rows, *shape[1:]]``, of the master (mixed precision) or of the compute
         weights themselves (fp32: the weights are the master)."""
-        w_views = (self.w_layout.shard_views(self.w_shard, self.rank) if self.stage == 3 else
+        w_views = (self.w_layout.shard_views(self.w_shard, self.rank) if self.w_shard is not None
+                   else
                    [buf[self.rank][:s.real_rows(self.rank) * s.row_numel].view(
                        s.shard_shape(self.rank)) for buf, s in zip(self.padded,
                                                                    self.w_layout.slots)])
@@ -132,7 +122,7 @@ class Unit:
         return [nn.Parameter(v, requires_grad=p.requires_grad)
                 for v, p in zip(views, self.params)]
 
-    # -- stage 3: gather and release ------------------------------------------------
+    # -- sharded parameters (stage 3): gather and release ---------------------------
     def start_gather(self) -> None:
         """Issue the all-gather of the compute weights (a prefetch returns here)."""
         if self.state is not UnitState.SHARDED:
@@ -142,8 +132,7 @@ class Unit:
         self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True,
                                                   unit=self.index), out)
         self.state = UnitState.GATHERING
-        if self.prof:
-            self.prof.event("gather_issued", self)
+        self.events.emit("gather_issued", self)
 
     def gather(self) -> None:
         """Finish (or issue and finish) the all-gather into the full parameters' storages."""
@@ -158,8 +147,7 @@ class Unit:
             p.untyped_storage().resize_(buf.numel() * buf.element_size())
         self.w_layout.unpack_into(out, self.padded)
         self.state = UnitState.GATHERED
-        if self.prof:
-            self.prof.event("gather_done", self)
+        self.events.emit("gather_done", self)
 
     def release(self) -> None:
         """Free the full parameters; autograd's saved references keep the (empty)
@@ -169,8 +157,7 @@ class Unit:
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
-        if self.prof:
-            self.prof.event("release", self)
+        self.events.emit("release", self)
 
     # -- gradients ------------------------------------------------------------------
     def start_backward(self, new_cycle: bool) -> None:
@@ -180,11 +167,11 @@ class Unit:
             self.fresh = True
             self.presence = None
             self.step_grads = None
-            if self.stage <= 1:
+            if self.policy.keeps_full_grads:  # the last cycle's, still held
                 for i in self.trainable:
                     self.params[i].grad = None
 
-    def _local_grads(self):
+    def local_grads(self):
         """Full local gradients as [rows, row] views (zeros where none) and [F] flags."""
         grads, flags = [], []
         for j, i in enumerate(self.trainable):
@@ -195,6 +182,15 @@ class Unit:
                          else g.reshape(slot.rows, slot.row_numel))
         return grads, torch.tensor(flags, dtype=self.grad_dtype, device=self.device)
 
+    def reduction_issued(self, work, buf: torch.Tensor, part: torch.Tensor) -> None:
+        """This unit's gradients are packed into ``buf``; ``part`` of the result is its
+        share. The local full gradients go now where the policy frees them."""
+        self._in_flight = (work, buf, part)
+        if self.policy.frees_grads_when_packed:
+            for i in self.trainable:
+                self.params[i].grad = None
+        self.events.emit("reduce_issued", self)
+
     def wait_reduce(self) -> None:
         """Finish an issued reduction: average, then store where the stage keeps it."""
         if self._in_flight is None:
@@ -202,18 +198,18 @@ class Unit:
         work, _, out = self._in_flight
         work.wait()
         self._in_flight = None
-        if self.prof:
-            self.prof.event("reduce_done", self)
+        self.events.emit("reduce_done", self)
         S, n = self.r_layout.slot_numel, self.comm.dp_world
-        if self.stage == 0:  # [N, S + F]: every slot, averaged into the full gradients (DDP)
+        full = self.policy.full_grads
+        if full is FullGrads.AVERAGED:  # [N, S + F]: every slot, averaged into full grads
             flags = out[0, S:] / n
             self._land_full_grads(out[:, :S], (flags > 0).tolist())
         else:  # [S + F]: this rank's slot, already averaged by the reduce-scatter
             flags, reduced = out[S:], out[:S]
-            if self.stage == 1 or self.fresh:
+            if full is FullGrads.LOCAL or self.fresh:
                 # A view of the reduction's result when the dtypes agree (no copy, and no
                 # shard of gradients held between steps), else rounded into the stored
-                # dtype. Stage 1 re-reduces its accumulated full gradients: the last counts.
+                # dtype. Kept local sums are reduced again whole: the last counts.
                 self.grad_shard = reduced.to(self.grad_dtype)
             else:  # summed in the reduce dtype, rounded once into the stored dtype
                 self.grad_shard.add_(reduced)
@@ -221,7 +217,7 @@ class Unit:
         self.fresh = False
 
     def _land_full_grads(self, summed: torch.Tensor, present: list[bool]) -> None:
-        """Stage 0: the summed [N, S] buffer, divided by N, into full gradients.
+        """Averaged full gradients (stage 0): the summed [N, S] buffer, divided by N.
 
         Each gradient gets a padded storage [N, c·row] (the weights' layout), so its
         column range of the buffer lands in one pass that divides, casts to the stored
@@ -244,7 +240,7 @@ class Unit:
     def assign_step_grads(self, present: list[bool]) -> None:
         """Hand the optimizer this rank's reduced gradients (fp32 for a master copy);
         ``present[j]``: some rank saw trainable parameter j this cycle."""
-        if self.stage == 0:
+        if self.policy.full_grads is FullGrads.AVERAGED:
             for j, i in enumerate(self.trainable):
                 g = self.params[i].grad
                 shard = self.shards[i]
@@ -262,7 +258,7 @@ class Unit:
     def after_step(self) -> None:
         """Bring the compute weights up to date with the updated shards."""
         self.step_grads = None
-        if self.stage <= 1:
+        if self.policy.keeps_full_grads:
             # The step has consumed them: the next backward starts a new cycle anyway, so
             # the full gradients go now rather than live through the next forward beside
             # its activations. At stage 0 in fp32 the shard's .grad is a view of them and
@@ -281,16 +277,17 @@ class Unit:
         """Bring the compute weights up to date with the (updated or loaded) shards."""
         if not self.trainable:
             return
-        if self.stage == 0:
-            if self.master is not None:
-                for i in self.trainable:
-                    self.params[i].data.copy_(self.shards[i].detach().view(self.params[i].shape))
-        elif self.stage == 3:
-            if self.master is not None:
+        if self.policy.after_step is AfterStep.CAST:
+            if self.master is None:
+                return  # fp32: the shard is a view of the compute weights, updated in place
+            if self.w_shard is not None:
                 w_views = self.w_layout.shard_views(self.w_shard, self.rank)
                 for i in self.trainable:
                     w_views[i].copy_(self.shards[i].detach())
-        else:  # stages 1-2: all-gather the updated rows into every rank's full weights
+            else:
+                for i in self.trainable:
+                    self.params[i].data.copy_(self.shards[i].detach().view(self.params[i].shape))
+        else:  # all-gather every rank's updated rows into every rank's full weights
             self.wait_sync()
             out = torch.empty(self.world, self.g_layout.slot_numel, dtype=self.compute_dtype,
                               device=self.device)
@@ -319,31 +316,3 @@ class Unit:
             if rows.start < rows.stop:
                 torch.split_with_sizes_copy(out[rows], self.g_layout.split_sizes, dim=1,
                                             out=[t[rows] for t in full])
-
-    # -- inspection ------------------------------------------------------------------
-    def full_tensors(self) -> dict[str, torch.Tensor]:
-        """Full values under original names: the master where there is one (the source
-        of truth), else the compute weights. Collective at stage >= 1."""
-        values = {}
-        for i, p in enumerate(self.params):
-            if self.stage < 3 and (self.master is None or i not in self.trainable):
-                values[self.names[i]] = p.detach().clone()
-        masters = [i for i in self.trainable] if self.master is not None else []
-        if masters and self.world == 1:
-            for i in masters:
-                values[self.names[i]] = self.shards[i].detach().clone().view(self.params[i].shape)
-        elif masters:
-            out = torch.empty(self.world * self.g_layout.slot_numel, dtype=self.master_dtype,
-                              device=self.device)
-            self.comm.all_gather(out, self.master)
-            for i, t in zip(masters, self.g_layout.unpack(out)):
-                values[self.names[i]] = t
-        if self.stage == 3:
-            rest = [i for i in range(len(self.params)) if self.names[i] not in values]
-            out = torch.empty(self.world * self.w_layout.slot_numel, dtype=self.compute_dtype,
-                              device=self.device)
-            self.comm.all_gather(out, self.w_shard)
-            full = self.w_layout.unpack(out)
-            for i in rest:
-                values[self.names[i]] = full[i]
-        return values

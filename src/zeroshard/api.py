@@ -1,0 +1,46 @@
+"""``zs.shard``: the one call that turns a model into a sharded one.
+
+It lives above ``runtime/`` and ``observe/`` because it joins them: the engine is
+built by ``runtime``, and with ``profile=True`` the profiler of ``observe`` subscribes
+to its lifecycle events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from .runtime.config import ZeroConfig
+from .runtime.sharded import ShardedModel
+
+
+def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None,
+          param_init=None, seed: int = 0, **options) -> ShardedModel:
+    """Shard ``model`` over the data-parallel group (default: the whole world).
+
+    ``stage`` and ``options`` are :class:`ZeroConfig` fields (``mixed_precision``,
+    ``units``, ``reduce_dtype``, ``param_persistence_threshold``, ...); they override
+    ``config``, which may be a ZeroConfig, a dict of its fields, a DeepSpeed config dict,
+    or a path to either as JSON.
+
+    A model built under ``torch.device("meta")`` is materialized one unit at a time:
+    each module is initialised by ``param_init(module)`` (default: its
+    ``reset_parameters()``) under a seed derived from ``seed`` and its name, exactly as
+    ``zs.init_weights(model, seed, param_init)`` initialises an ordinary model."""
+    base = ZeroConfig.load(config) if config is not None else ZeroConfig()
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(f"zs.shard() got unknown options {unknown}; accepted: "
+                         f"{sorted(fields)}")
+    if stage is not None:
+        options["stage"] = stage
+    if options:
+        base = ZeroConfig(**{**fields, **options})
+    sharded = ShardedModel(model, base, group, param_init, seed)
+    if base.profile:
+        from .observe.profiler import Profiler
+
+        sharded.profiler = Profiler(sharded)
+    return sharded

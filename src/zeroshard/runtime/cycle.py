@@ -1,0 +1,86 @@
+"""The step cycle as a state machine.
+
+[Note: the step cycle] One optimizer step consumes a *cycle* of one or more backward
+passes (gradient accumulation). The engine moves through the states below on the
+events it sees — backward begins and ends (autograd hooks), the gradients are made
+final (the step's pre-hook or ``clip_grad_norm_``), the step begins and ends (global
+optimizer hooks), ``zero_grad()`` — and any other order is a misuse, reported with
+what happened and what was expected (FSDP2's ``TrainingState`` plays the same role).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class CycleState(enum.Enum):
+    """Where the engine is in the step cycle, and what gradient memory that implies."""
+
+    IDLE = "idle"
+    """No gradient of a new cycle yet (after construction, a step or ``zero_grad()``):
+    the next backward starts a new cycle and overwrites what the last one left."""
+    BACKWARD = "backward"
+    """Inside a backward pass: units finish and their reductions are issued in order."""
+    REDUCING = "reducing"
+    """A synchronised backward has ended; its last reductions may still be in flight."""
+    UNREDUCED = "unreduced"
+    """A backward under ``no_sync()`` has ended: local gradients only, nothing issued."""
+    FINAL = "final"
+    """Every reduction has landed and each shard holds its gradient: inspect, clip,
+    step."""
+    STEP = "step"
+    """Inside ``optimizer.step()``, between its pre- and post-hook."""
+
+
+S = CycleState
+#: event -> {state it may happen in: state it leads to}
+_TRANSITIONS: dict[str, dict[CycleState, CycleState]] = {
+    "backward_begin": {S.IDLE: S.BACKWARD, S.REDUCING: S.BACKWARD, S.UNREDUCED: S.BACKWARD,
+                       S.FINAL: S.BACKWARD},
+    "backward_end": {S.BACKWARD: S.REDUCING},
+    "backward_end_unreduced": {S.BACKWARD: S.UNREDUCED},
+    "finalize": {S.IDLE: S.FINAL, S.REDUCING: S.FINAL, S.UNREDUCED: S.FINAL, S.FINAL: S.FINAL},
+    "step_begin": {S.FINAL: S.STEP},
+    "step_end": {S.STEP: S.IDLE},
+    "zero_grad": {S.IDLE: S.IDLE, S.REDUCING: S.IDLE, S.UNREDUCED: S.IDLE, S.FINAL: S.IDLE},
+}
+
+#: What each event is, in the words of the error that reports it out of order.
+_WHAT = {
+    "backward_begin": "a backward pass began",
+    "backward_end": "a backward pass ended",
+    "backward_end_unreduced": "a backward pass ended",
+    "finalize": "the gradients were read (optimizer.step() or clip_grad_norm_())",
+    "step_begin": "optimizer.step() began",
+    "step_end": "optimizer.step() ended",
+    "zero_grad": "zero_grad() was called",
+}
+
+_EXPECTED = {
+    S.BACKWARD: "the backward pass to finish first: call optimizer.step(), "
+                "clip_grad_norm_() and zero_grad() after loss.backward() returns",
+    S.STEP: "optimizer.step() to return first: no backward, clipping or zero_grad() "
+            "from inside the optimizer's step",
+}
+
+
+class StepCycle:
+    """The current :class:`CycleState`, advanced by :meth:`advance`."""
+
+    def __init__(self) -> None:
+        self.state = CycleState.IDLE
+
+    def advance(self, event: str) -> CycleState:
+        """Move on ``event``; a ValueError names the event, the state and the fix."""
+        nxt = _TRANSITIONS[event].get(self.state)
+        if nxt is None:
+            expected = _EXPECTED.get(self.state, "a backward pass before the step")
+            raise ValueError(f"zeroshard: {_WHAT[event]} while the model is in state "
+                             f"{self.state.value!r}; expected {expected}")
+        self.state = nxt
+        return nxt
+
+    @property
+    def new_cycle(self) -> bool:
+        """The next backward starts a new cycle."""
+        return self.state is CycleState.IDLE
