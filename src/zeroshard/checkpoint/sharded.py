@@ -163,7 +163,7 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         groups.append({**hyper, "params": [names[id(p)] for p in g["params"]]})
     manifest = {
         "format": FORMAT, "version": 1, "world": model.comm.dp_world,
-        "stage": model.config.stage, "recipe": model.config.recipe.name,
+        "stage": model.zero_config.stage, "recipe": model.zero_config.recipe.name,
         "params": {e.name: {"shape": list(e.shape), "dtype": str(e.source.dtype)[6:],
                             "trainable": e.trainable} for e in entries(model)},
         "buffers": {n: list(b.shape) for n, b in model.module.named_buffers()},

@@ -48,8 +48,12 @@ class Collectives:
         self.dp_world = dist.get_world_size(group)
         # One more group with the same ranks, for gradient reductions only.
         self.reduce_group = _twin(group)
+        backend = str(dist.get_backend(group))
+        self._gloo = "gloo" in backend
+        # Small host-side agreements (``agree``) go over gloo beside NCCL: no device
+        # synchronisation. Elsewhere (gloo, the fake test backend) the parameter group.
+        self.control_group = _twin(group, backend="gloo") if "nccl" in backend else group
         self.trace: list[dict] | None = None  # profiling: one record per call
-        self._gloo = "gloo" in str(dist.get_backend(group))
 
     def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool):
         """Record the call in the ledger and, when profiling, in the collective trace;
@@ -111,6 +115,14 @@ class Collectives:
                                    async_op=True)
         return self._issue("all_gather", out, unit, call, async_op)
 
+    def agree(self, value: int) -> list[int]:
+        """Every rank's ``value``, in rank order (one small all-gather on the host)."""
+        out = torch.empty(self.dp_world, dtype=torch.int64)
+        inp = torch.tensor([value], dtype=torch.int64)
+        self._issue("check", out, None, lambda: _all_gather(
+            out, inp, group=self.control_group, async_op=True), False)
+        return out.tolist()
+
     def _on_gloo(self, t: torch.Tensor) -> bool:
         return self._gloo and t.device.type == "cpu" and self.dp_world > 1
 
@@ -121,7 +133,7 @@ class Collectives:
             t, src=root, group=self.group, async_op=True), False)
 
 
-def _twin(group):
+def _twin(group, backend=None):
     """A new process group with the ranks of ``group``, created on every rank of the
     world (``zs.shard`` is a collective of the whole world). Ranks in other data-parallel
     groups (HSDP's replicas) pass other groups at the same moment, so the rank lists are
@@ -130,13 +142,13 @@ def _twin(group):
     another name on each of them and never meet."""
     world = dist.get_world_size()
     if group is None or dist.get_world_size(group) == world:
-        return dist.new_group()  # new_group sorts ranks: the world, in world order
+        return dist.new_group(backend=backend)  # the world, in world order
     mine = dist.get_process_group_ranks(group)
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     twin = None
     for ranks in sorted({tuple(r) for r in every}):
-        created = dist.new_group(list(ranks))
+        created = dist.new_group(list(ranks), backend=backend)
         if list(ranks) == mine:
             twin = created
     return twin

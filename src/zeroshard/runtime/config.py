@@ -71,10 +71,21 @@ class ZeroConfig:
     profile: bool = False
     """Record a timeline of unit lifecycle events with bytes per category, activation
     bytes (saved-tensor hooks) and a collective trace (``model.profiler``). Off, the
-    engine pays one attribute check per event."""
+    engine's events go to no listener."""
     sync_module_states: bool = True
     """Broadcast rank 0's parameters and buffers at shard time, so every rank starts
     from the same weights whatever its seed."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (BatchNorm's running statistics, counters) before
+    every forward with gradients enabled, outside ``no_sync()``, as torch DDP does by
+    default: ranks evaluate alike and ``full_state_dict()`` is the same on every rank.
+    Off, each rank's buffers follow its own data."""
+    check_gathers: bool = True
+    """Stage 3: before each all-gather the ranks exchange which unit they are about to
+    gather (one small collective, ``kind="check"`` in ``comm_stats()``), and stop with
+    one clear error naming both units when they differ — ranks that run different
+    modules (a mixture of experts routing per rank) would otherwise pair unlike
+    gathers: wrong weights when the sizes agree, a backend abort when they do not."""
     recipe: Recipe = field(init=False)
     """The precision recipe resolved from ``mixed_precision`` and ``reduce_dtype``:
     the same definition the planner computes bytes from."""
@@ -95,6 +106,9 @@ class ZeroConfig:
         reduce = self.reduce_dtype
         if reduce is None:
             reduce = "fp32" if recipe.master_dtype else recipe.grad_dtype
+        for name in ("profile", "sync_module_states", "broadcast_buffers", "check_gathers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("param_persistence_threshold", "prefetch", "prefetch_bucket_size",
                      "reduce_bucket_size"):
             t = getattr(self, name)

@@ -3,6 +3,9 @@ and cutting the model into units (which unit owns which parameter)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -14,31 +17,69 @@ from .policy import ShardPolicy
 from .unit import Unit
 
 
-def check_same_model(module: nn.Module) -> None:
-    """Every rank must shard the same parameters; name the first difference."""
+def check_same_model(module: nn.Module, config) -> None:
+    """Every rank must shard the same parameters with the same options: name the first
+    difference (ranks that disagree would otherwise pair unlike collectives and hang)."""
     sig = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    options = _options(module, config)
     sigs = [None] * dist.get_world_size()
-    dist.all_gather_object(sigs, sig)
-    for rank, other in enumerate(sigs[1:], start=1):
-        for a, b in zip(sigs[0], other):
+    dist.all_gather_object(sigs, (options, sig))
+    for rank, (other_options, other) in enumerate(sigs[1:], start=1):
+        for key, value in sigs[0][0].items():
+            if other_options[key] != value:
+                raise ValueError(f"zs.shard() options differ between ranks: rank {rank} has "
+                                 f"{key}={other_options[key]} where rank 0 has {key}={value}; "
+                                 "every rank must shard with the same options")
+        for a, b in zip(sigs[0][1], other):
             if a != b:
                 raise ValueError(f"rank {rank}'s model differs from rank 0's: parameter {b[0]!r} "
                                  f"(shape {b[1]}, {b[2]}) where rank 0 has {a[0]!r} "
                                  f"(shape {a[1]}, {a[2]})")
-        if len(other) != len(sigs[0]):
+        if len(other) != len(sigs[0][1]):
             raise ValueError(f"rank {rank}'s model has {len(other)} parameters, rank 0's "
-                             f"{len(sigs[0])}")
+                             f"{len(sigs[0][1])}")
 
 
-def broadcast_state(module: nn.Module, comm: Collectives) -> None:
-    """Rank 0's parameters and buffers everywhere: one flat broadcast per dtype."""
-    tensors = [t.data for t in [*module.parameters(), *module.buffers()] if not t.is_meta]
-    for dtype in {t.dtype for t in tensors}:
+def _options(module: nn.Module, config) -> dict[str, str]:
+    """The config as text every rank can compare: modules named by their path in the
+    model, classes by their qualified name."""
+    names = {id(m): n for n, m in module.named_modules()}
+
+    def text(v) -> str:
+        if isinstance(v, nn.Module):
+            return f"<module {names.get(id(v), '?')!r}>"
+        if isinstance(v, type):
+            return f"<class {v.__module__}.{v.__qualname__}>"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(text(x) for x in v) + "]"
+        return repr(v)
+
+    return {f.name: text(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], comm: Collectives) -> None:
+    """Rank 0's values of ``tensors`` everywhere: one flat broadcast per dtype, the dtypes
+    in one order on every rank (a set's order differs between processes)."""
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch._utils._flatten_dense_tensors(group)
         comm.broadcast(flat, src=0)
         for t, v in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
             t.copy_(v)
+
+
+def broadcast_state(module: nn.Module, comm: Collectives) -> None:
+    """Rank 0's parameters and buffers everywhere."""
+    _broadcast_flat([t.data for t in [*module.parameters(), *module.buffers()]
+                     if not t.is_meta], comm)
+
+
+def broadcast_buffers(module: nn.Module, comm: Collectives) -> None:
+    """Rank 0's buffers everywhere (torch DDP's ``broadcast_buffers``, before a forward)."""
+    buffers = [b for b in module.buffers() if not b.is_meta]
+    if buffers:
+        with torch.no_grad():
+            _broadcast_flat(buffers, comm)
 
 
 def build_units(module: nn.Module, inner: list[nn.Module], config, policy: ShardPolicy,
@@ -58,6 +99,13 @@ def build_units(module: nn.Module, inner: list[nn.Module], config, policy: Shard
         for p in u.parameters():
             if id(p) not in owner and users[id(p)] <= inside[id(u)]:
                 owner[id(p)] = u
+    if policy.shards_params:  # a unit is gathered by its forward hooks: it must be called
+        for m in inner:
+            if type(m).forward is nn.Module.forward:
+                raise ValueError(
+                    f"units: {type(m).__name__} {_name(module, m)!r} is never called (it has "
+                    "no forward), so at stage 3 its parameters could not be gathered before "
+                    "use; name the module that calls its members instead")
     order = [module] + [m for m in module.modules() if m in inner]
     groups: dict[int, list[str]] = {id(m): [] for m in order}
     for n, p in module.named_parameters():
@@ -83,4 +131,28 @@ def build_units(module: nn.Module, inner: list[nn.Module], config, policy: Shard
         units.insert(0, Unit(len(units), module,
                              [(n, module.get_parameter(n)) for n in persistent],
                              policy.whole_params(), recipe, comm, device, events))
+    qualified = {id(m): n for n, m in module.named_modules()}
+    for u in units:
+        u.name = qualified[id(u.module)] or type(module).__name__
+        if config.check_gathers and u.policy.shards_params:
+            u.check_gather = functools.partial(_check_gather, units, comm)
     return units
+
+
+def _name(module: nn.Module, m: nn.Module) -> str:
+    return next(n for n, x in module.named_modules() if x is m)
+
+
+def _check_gather(units: list[Unit], comm: Collectives, unit: Unit) -> None:
+    """Every rank must be about to gather ``unit`` (``ZeroConfig.check_gathers``): ranks
+    that gathered unlike units would pair them, silently wrong when their sizes agree."""
+    wanted = comm.agree(unit.index)
+    if any(k != unit.index for k in wanted):
+        ranks = "; ".join(f"rank {r}: unit {k} ({units[k].name})" for r, k in enumerate(wanted))
+        raise ValueError(
+            f"stage 3: ranks are about to gather different units ({ranks}). Ranks that run "
+            "different modules (a mixture of experts routing per rank, a branch one rank "
+            "skips, a different number of forwards) must gather the same units in the same "
+            "order: put the modules they run unevenly in one unit, the module that calls "
+            "them (units=[that module, ...], or units=None for the whole model), or use "
+            "stage 2, which gathers nothing")

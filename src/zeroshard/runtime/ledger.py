@@ -4,7 +4,9 @@ Communication is counted in the planner's ring accounting (``zeroshard.plan.memo
 an all-reduce of T bytes sends 2(N-1)/N·T per rank, a reduce-scatter (T = input) or
 all-gather (T = output) (N-1)/N·T, a broadcast (N-1)/N·T — whatever the backend moves
 underneath (gloo runs reduce-scatter as an all-reduce), so measured and planned bytes
-are the same quantity.
+are the same quantity. ``check`` is the engine's own: the small all-gathers in which
+stage-3 ranks agree on the unit they gather next (``ZeroConfig.check_gathers``); the
+planner does not count them.
 
 Memory categories (bytes on this rank):
 
@@ -23,7 +25,7 @@ from collections import Counter
 
 from ..plan.memory import ring_all_reduce, ring_one_way
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "check")
 CATEGORIES = ("params", "grads", "optimizer", "padding", "gathered", "buffers")
 
 
@@ -31,7 +33,7 @@ def ring_bytes(kind: str, nbytes: int, world: int) -> int:
     """Bytes one rank sends for a collective over ``nbytes`` (ring accounting)."""
     if kind == "all_reduce":
         return ring_all_reduce(nbytes, world)
-    if kind in ("reduce_scatter", "all_gather", "broadcast"):
+    if kind in ("reduce_scatter", "all_gather", "broadcast", "check"):  # check: an all-gather
         return ring_one_way(nbytes, world)
     raise AssertionError(f"unknown collective kind {kind!r}")
 

@@ -59,7 +59,16 @@ _HOOKS: list = []
 
 def _owners(optimizer):
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [m for m in list(_LIVE) if m.holds_any(ids)]
+    owners = []
+    for m in list(_LIVE):
+        if m.holds_any(ids):
+            owners.append(m)
+        elif m.holds_original(ids):
+            raise ValueError(
+                f"{type(optimizer).__name__} holds the module's parameters from before "
+                "zs.shard(): those no longer train (each rank steps its shards). Build the "
+                "optimizer after sharding, over model.parameters()")
+    return owners
 
 
 def _pre_step(optimizer, args, kwargs) -> None:

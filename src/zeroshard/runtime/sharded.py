@@ -29,20 +29,21 @@ from .backward import Reducer
 from .clip import clip_grad_norm
 from .collectives import Collectives
 from .config import ZeroConfig
-from .construct import broadcast_state, build_units, check_same_model
+from .construct import broadcast_buffers, broadcast_state, build_units, check_same_model
 from .cycle import CycleState, StepCycle
 from .dist import default_device
 from .events import Events
-from .ledger import Ledger, measure
+from .ledger import Ledger
 from .materialize import Materializer, has_meta
 from .optim import check_optimizer, register_for_step_hooks
 from .policy import ShardPolicy
 from .prefetch import Prefetcher
+from .readout import Readout
 from .unit import Unit
 from .units import select_units
 
 
-class ShardedModel(nn.Module):
+class ShardedModel(Readout, nn.Module):
     """A model whose training state is sharded per :class:`ZeroConfig`.
 
     ``parameters()`` yields what this rank's optimizer owns: shards under the original
@@ -59,8 +60,11 @@ class ShardedModel(nn.Module):
                 f"{type(module).__name__} is already sharded (a ShardedModel at stage "
                 f"{inner.policy.stage} is inside it): zs.shard() takes the original module "
                 "once; use the sharded model as it is, or shard a fresh module")
+        self._original_ids = {id(p) for p in module.parameters()}
         self.module = module
-        self.config = config
+        self.zero_config = config
+        """The :class:`ZeroConfig` this model was sharded with (``model.config`` is the
+        wrapped module's, as for every attribute the sharded model does not have)."""
         self.policy = ShardPolicy.from_config(config)
         self.events = Events()
         """Lifecycle events (``events.py``); the profiler subscribes here."""
@@ -68,7 +72,7 @@ class ShardedModel(nn.Module):
         device = default_device()
         # meta tensors stay where they are: units materialize them one at a time
         module._apply(lambda t: t if t.is_meta else t.to(device))
-        check_same_model(module)
+        check_same_model(module, config)
         self.comm = Collectives(self.ledger, group)
         if config.sync_module_states:
             with torch.no_grad():
@@ -90,6 +94,7 @@ class ShardedModel(nn.Module):
         self._prefetch = Prefetcher(config.prefetch, config.prefetch_bucket_size)
         self.profiler = None
         """The profiler, when ``zs.shard(..., profile=True)`` attached one."""
+        self._hold = False  # inside gathered(): stage-3 units stay gathered
         self._register_hooks()
         register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up
@@ -101,6 +106,11 @@ class ShardedModel(nn.Module):
 
     # -- construction ---------------------------------------------------------------
     def _register_hooks(self) -> None:
+        # the root's hooks run first and last: every forward of the module, through this
+        # model or through a method of the module itself (generate), is prepared alike
+        self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True,
+                                              prepend=True)
+        self.module.register_forward_hook(self._root_post_forward, with_kwargs=True)
         owner, handles = weakref.ref(self), []
         weakref.finalize(self, _remove_hooks, handles)
         for k, u in enumerate(self.units):
@@ -116,27 +126,49 @@ class ShardedModel(nn.Module):
 
     # -- forward and backward -------------------------------------------------------
     def forward(self, *args, **kwargs):
-        for u in self.units:
-            u.wait_sync()
-        dtype = self.units[0].compute_dtype
-        if dtype != torch.float32:  # inputs follow the compute dtype (FSDP2: cast_forward_inputs)
-            cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         if self.events.listeners:
             with self.events.forward_context():
-                out = self.module(*args, **kwargs)
-        else:
-            out = self.module(*args, **kwargs)
+                return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        """The wrapped module's attributes and methods (``generate``, ``config``,
+        ``gradient_checkpointing_enable``...) where the sharded model has none of its
+        own, as FSDP2 keeps the module's own."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    def _root_pre_forward(self, module, args, kwargs):
+        if torch._C._current_graph_task_id() != -1:
+            return None  # activation checkpointing's recompute
+        for u in self.units:
+            u.wait_sync()
+        if self.zero_config.broadcast_buffers and torch.is_grad_enabled() and self.reducer.sync:
+            broadcast_buffers(module, self.comm)  # as torch DDP, before every forward
+        dtype = self.units[0].compute_dtype
+        if dtype == torch.float32:
+            return None
+        # inputs follow the compute dtype (FSDP2: cast_forward_inputs)
+        cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _root_post_forward(self, module, args, kwargs, out):
+        if torch._C._current_graph_task_id() != -1:
+            return
         self._prefetch.end_pass("forward")
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: self._on_backward_begin(), mode="any")
-        return out
 
     def _pre_forward(self, unit: Unit) -> None:
         self.events.emit("forward_begin", unit)
-        if not unit.policy.shards_params:
+        if not unit.policy.shards_params or self._hold:
             return
         if torch._C._current_graph_task_id() != -1:
             unit.gather()  # activation checkpointing's recompute: not a forward pass
@@ -145,7 +177,8 @@ class ShardedModel(nn.Module):
 
     def _post_forward(self, unit: Unit, out) -> None:
         self.events.emit("forward_end", unit)
-        if not unit.policy.shards_params or torch._C._current_graph_task_id() != -1:
+        if (not unit.policy.shards_params or self._hold
+                or torch._C._current_graph_task_id() != -1):
             return  # activation checkpointing recomputes inside backward: keep it gathered
         unit.release()
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
@@ -160,6 +193,9 @@ class ShardedModel(nn.Module):
     def _on_backward_begin(self) -> None:
         if self.cycle.state is CycleState.BACKWARD:
             return  # another output of the same backward
+        if self._hold:
+            raise ValueError("a backward pass began inside model.gathered(), which holds "
+                             "the full weights for inference: train outside it")
         new_cycle = self.cycle.new_cycle
         self.cycle.advance("backward_begin")
         self._stepped_by = None
@@ -231,6 +267,13 @@ class ShardedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards (padding never counts); return
         the norm (see :func:`zeroshard.runtime.clip.clip_grad_norm`)."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+                0 <= max_norm < float("inf")):
+            raise ValueError(f"max_norm={max_norm!r}; expected a finite number >= 0")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
+                norm_type > 0):
+            raise ValueError(f"norm_type={norm_type!r}; expected a number > 0 or "
+                             "float('inf')")
         self._finalize_grads()
         return clip_grad_norm(self.units, self.comm, max_norm, norm_type)
 
@@ -248,44 +291,10 @@ class ShardedModel(nn.Module):
         """Whether any of the tensor ids ``ids`` is one of this model's shards."""
         return not self._shard_ids.isdisjoint(ids)
 
-    def synchronize(self) -> None:
-        """Finish the communication a step leaves in flight: at stages 1-2, the
-        all-gathers that bring the compute weights up to date (the next forward waits
-        for them itself). For timing a step whole, or reading the weights in between."""
-        for u in self.units:
-            u.wait_sync()
-
-    def refresh_compute(self) -> None:
-        """Recompute every compute weight from the shards (after the shards were
-        written directly, as a checkpoint load does). A collective at stages 1-2."""
-        for u in self.units:
-            u.refresh_compute()
-        self.synchronize()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights (the fp32 master where there is one) and buffers under
-        their original names. A collective: every rank must call it."""
-        self.synchronize()
-        values = {}
-        for u in self.units:
-            values.update(u.full_tensors())
-        by_id = {id(p): values[n] for u in self.units for n, p in zip(u.names, u.params)}
-        out = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            out[key] = by_id[id(t)] if id(t) in by_id else t.detach().clone()
-        return out
-
-    def memory(self, optimizer=None) -> dict[str, int]:
-        """Bytes on this rank per category: params, grads, optimizer (master + state of
-        ``optimizer``), padding, and the transient gathered and buffers."""
-        return measure(self.units, optimizer)
-
-    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
-        """Per collective kind: calls and bytes this rank sent (ring accounting)."""
-        stats = self.ledger.comm_stats()
-        if reset:
-            self.ledger.reset()
-        return stats
+    def holds_original(self, ids: set[int]) -> bool:
+        """Whether any of ``ids`` is a parameter of the module as it was before
+        sharding (an optimizer built before ``zs.shard`` holds those)."""
+        return not self._original_ids.isdisjoint(ids)
 
 
 def _remove_hooks(handles: list) -> None:

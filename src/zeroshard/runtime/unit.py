@@ -1,16 +1,7 @@
 """A unit: the parameters gathered together and reduced together.
 
 One code path for every stage; what differs is asked of the unit's
-:class:`~zeroshard.runtime.policy.ShardPolicy` (which of optimizer state, gradients
-and parameters are sharded, and what follows from it):
-
-| stage | compute weights      | stored gradients          | master + optimizer state |
-|-------|----------------------|---------------------------|--------------------------|
-| 0     | full                 | full, all-reduced         | full                     |
-| 1     | full                 | full, reduce-scattered per backward | shard          |
-| 2     | full                 | shard, reduced per backward | shard                  |
-| 3     | shard, gathered per use | shard                  | shard                    |
-
+:class:`~zeroshard.runtime.policy.ShardPolicy` (``policy.py`` tabulates the stages).
 Stage 0 is the same machinery with a shard group of one for the optimizer state.
 Others read a unit through the public methods of :class:`UnitView` (``unitview.py``).
 """
@@ -101,6 +92,8 @@ class Unit(UnitView):
         self._sync_work = None  # all-gather of updated weights after a step
         self._gather_work = None  # sharded parameters: (work, [N, S] buffer) of a gather
         self.prefetched = False  # gathered ahead of use, not used yet
+        self.name = ""  # the unit's module, as the model names it (set by the engine)
+        self.check_gather = None  # called before each all-gather (ZeroConfig.check_gathers)
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
         if policy.shards_params:
             self.release()
@@ -127,6 +120,8 @@ class Unit(UnitView):
         """Issue the all-gather of the compute weights (a prefetch returns here)."""
         if self.state is not UnitState.SHARDED:
             return
+        if self.check_gather is not None:
+            self.check_gather(self)
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
         self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True,

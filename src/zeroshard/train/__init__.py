@@ -52,6 +52,10 @@ _ENGINE_FLAGS = {
                                "consecutive units' gradient reductions up to N elements"),
     "sync_module_states": dict(shown="on", help="broadcast rank 0's weights and buffers at "
                                "shard time"),
+    "broadcast_buffers": dict(shown="on", help="broadcast rank 0's buffers before every "
+                              "forward (torch DDP's default)"),
+    "check_gathers": dict(shown="on", help="stage 3: ranks check they gather the same unit "
+                          "before each all-gather"),
 }
 
 

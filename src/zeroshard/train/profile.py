@@ -14,13 +14,13 @@ from ..plan.memory import Workload, activation_bytes, model_state_bytes, transie
 def predicted(model, spec: ModelSpec, work: Workload) -> dict[str, int]:
     """The planner's per-category figures for a sharded model, transient terms included
     (activations from the model's shape and the workload)."""
-    recipe, world = model.config.recipe, model.comm.dp_world
+    recipe, world = model.zero_config.recipe, model.comm.dp_world
     params = sum(u.w_layout.numel for u in model.units)
     weights, grads, optimizer = model_state_bytes(params, world, recipe, model.stage)
     largest = max(u.w_layout.numel for u in model.units)
     out = {"params": weights, "grads": grads, "optimizer": optimizer,
            "activations": activation_bytes(spec, recipe, work) or 0}
-    out.update(transient_bytes(recipe, model.stage, world, largest, model.config.prefetch))
+    out.update(transient_bytes(recipe, model.stage, world, largest, model.zero_config.prefetch))
     return out
 
 
