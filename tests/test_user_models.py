@@ -177,6 +177,34 @@ def _habits():
         out[("negative clip", stage)] = um.attempt(lambda m=net: m.clip_grad_norm_(-1.0))
         out[("options differ", stage)] = um.attempt(
             lambda s=stage: zs.shard(um.build("odd"), stage=s, prefetch=1 + dist.get_rank()))
+        # once backward ends each shard holds its reduced gradient (as FSDP2), and torch's
+        # own clip_grad_norm_ on the shards clips by the global norm, as it does under DDP
+        ddp_model = um.build("odd")
+        ddp = torch.nn.parallel.DistributedDataParallel(ddp_model)
+        um.loss_of(ddp, "odd", um.batch("odd", 0)).backward()
+        want = torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), 1e-3)
+        net = zs.shard(um.build("odd"), stage=stage)
+        um.loss_of(net, "odd", um.batch("odd", 0)).backward()
+        out[("grads after backward", stage)] = all(p.grad is not None for p in net.parameters())
+        got = torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)
+        out[("torch clip", stage)] = abs(got.item() - want.item()) / want.item()
+        out[("torch clip part", stage)] = um.attempt(
+            lambda m=net: torch.nn.utils.clip_grad_norm_(list(m.parameters())[:1], 1.0))
+        torch.optim.SGD(ddp_model.parameters(), lr=1.0).step()
+        torch.optim.SGD(net.parameters(), lr=1.0).step()
+        out[("clipped step", stage)] = um.max_rel_diff(
+            net.full_state_dict(), {k: v.detach() for k, v in ddp_model.state_dict().items()})
+        # a non-finite gradient on one rank: the same error on every rank when asked for
+        net.zero_grad()
+        data = um.batch("odd", 1)
+        data["x"] = data["x"] * (float("inf") if dist.get_rank() == 1 else 1.0)
+        um.loss_of(net, "odd", data).backward()
+        try:
+            net.clip_grad_norm_(1.0, error_if_nonfinite=True)
+            out[("nonfinite", stage)] = None
+        except RuntimeError as exc:
+            out[("nonfinite", stage)] = str(exc)
+        net.zero_grad()
     return out
 
 
@@ -262,6 +290,14 @@ def test_habits_of_the_ordinary_loop_fail_loudly(ranks, stage):
             "ValueError", "max_norm=-1.0; expected a finite number >= 0")
         kind, msg = h[("options differ", stage)]
         assert "rank 1 has prefetch=2 where rank 0 has prefetch=1" in msg
+        assert h[("grads after backward", stage)]
+        kind, msg = h[("torch clip part", stage)]
+        assert kind == "ValueError" and "pass model.parameters()" in msg
+        assert "gradients is non-finite (nan), so they cannot be clipped" in h[
+            ("nonfinite", stage)]
+    h = ranks[0]["habits"]
+    assert h[("torch clip", stage)] < TOL  # torch's clip: the global norm, as under DDP
+    assert h[("clipped step", stage)] < TOL
 
 
 def _startup():

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
+                   error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip by the global norm over all ranks' shards (padding never counts); return
     the norm. Each rank sums ``|g|^p`` over the rows it owns — where its shard is whole
     (stage 0) over the rows it *would* own at N ranks (``Unit.norm_grads``) — and one
@@ -32,7 +33,49 @@ def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0) -> torc
         comm.all_reduce(total)
         total = total.pow(1.0 / norm_type)
     total = total.to(torch.float32)
+    if error_if_nonfinite and not torch.isfinite(total):  # the same total on every rank
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                           f"non-finite ({total.item()}), so they cannot be clipped")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
         torch._foreach_mul_(grads, coef)
     return total
+
+
+_TORCH_CLIP: list = []  # torch's own clip_grad_norm_, once redirected
+
+
+def redirect_torch_clip(live_models) -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` correct on a sharded model's parameters.
+
+    Given the shards, torch's function would sum this rank's rows only and each rank
+    would clip by its own partial norm — silently unlike torch DDP. Once a sharded
+    model exists, the function is replaced by one that hands a sharded model's
+    parameters to ``model.clip_grad_norm_`` (the global norm) and any other parameters
+    to torch's own. (A reference bound with ``from torch.nn.utils import
+    clip_grad_norm_`` before the first ``zs.shard`` keeps torch's: call it through
+    ``torch.nn.utils`` or ``model.clip_grad_norm_``.)"""
+    if _TORCH_CLIP:
+        return
+    from torch.nn.utils import clip_grad
+
+    _TORCH_CLIP.append(clip_grad.clip_grad_norm_)
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                        foreach=None):
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        ids = {id(p) for p in params}
+        owners = [m for m in list(live_models) if m.holds_any(ids)]
+        if not owners:
+            return _TORCH_CLIP[0](params, max_norm, norm_type, error_if_nonfinite, foreach)
+        if len(owners) > 1 or not owners[0].covers_trainable(ids):
+            raise ValueError(
+                "torch.nn.utils.clip_grad_norm_ got part of a sharded model's trainable "
+                "parameters (or parameters of several models): the norm is global over all "
+                "of one model's shards; pass model.parameters(), or call "
+                "model.clip_grad_norm_()")
+        return owners[0].clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+    clip_grad_norm_.__doc__ = _TORCH_CLIP[0].__doc__
+    clip_grad.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_

@@ -16,6 +16,8 @@ import weakref
 
 import torch
 
+from .clip import redirect_torch_clip
+
 ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop",
                "Rprop", "ASGD", "Adadelta", "SparseAdam"}
 
@@ -53,14 +55,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer, policy) -> None:
             "updates", stacklevel=3)
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()
+LIVE: weakref.WeakSet = weakref.WeakSet()
 _HOOKS: list = []
 
 
 def _owners(optimizer):
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     owners = []
-    for m in list(_LIVE):
+    for m in list(LIVE):
         if m.holds_any(ids):
             owners.append(m)
         elif m.holds_original(ids):
@@ -83,10 +85,12 @@ def _post_step(optimizer, args, kwargs) -> None:
 
 def register_for_step_hooks(model) -> None:
     """Let ``model.before_step(opt)`` / ``model.after_step()`` run around every step
-    of an optimizer that holds its shards. The hooks are installed once per process:
+    of an optimizer that holds its shards (and ``torch.nn.utils.clip_grad_norm_`` clip
+    its shards by the global norm, ``clip.py``). The hooks are installed once per process:
     every torch optimizer's step passes through them, and they act only for the live
     sharded models whose shards that optimizer holds."""
-    _LIVE.add(model)
+    LIVE.add(model)
+    redirect_torch_clip(LIVE)
     if not _HOOKS:
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,

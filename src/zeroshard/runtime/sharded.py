@@ -148,6 +148,9 @@ class ShardedModel(Readout, nn.Module):
             return None  # activation checkpointing's recompute
         for u in self.units:
             u.wait_sync()
+        if torch.is_grad_enabled() and self.cycle.state is CycleState.FINAL:
+            for u in self.units:  # another micro-batch: its backward makes them anew
+                u.drop_step_grads()
         if self.zero_config.broadcast_buffers and torch.is_grad_enabled() and self.reducer.sync:
             broadcast_buffers(module, self.comm)  # as torch DDP, before every forward
         dtype = self.units[0].compute_dtype
@@ -206,6 +209,8 @@ class ShardedModel(Readout, nn.Module):
         self.reducer.end()
         self._prefetch.end_pass("backward")
         self.cycle.advance("backward_end" if self.reducer.sync else "backward_end_unreduced")
+        if self.reducer.sync:  # shards hold their reduced .grad once backward ends (FSDP2)
+            self._finalize_grads()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -264,7 +269,8 @@ class ShardedModel(Readout, nn.Module):
         self.cycle.advance("zero_grad")
         super().zero_grad(set_to_none)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards (padding never counts); return
         the norm (see :func:`zeroshard.runtime.clip.clip_grad_norm`)."""
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
@@ -275,7 +281,7 @@ class ShardedModel(Readout, nn.Module):
             raise ValueError(f"norm_type={norm_type!r}; expected a number > 0 or "
                              "float('inf')")
         self._finalize_grads()
-        return clip_grad_norm(self.units, self.comm, max_norm, norm_type)
+        return clip_grad_norm(self.units, self.comm, max_norm, norm_type, error_if_nonfinite)
 
     # -- inspection -----------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -290,6 +296,11 @@ class ShardedModel(Readout, nn.Module):
     def holds_any(self, ids: set[int]) -> bool:
         """Whether any of the tensor ids ``ids`` is one of this model's shards."""
         return not self._shard_ids.isdisjoint(ids)
+
+    def covers_trainable(self, ids: set[int]) -> bool:
+        """Whether ``ids`` are shards of this model and include every trainable one."""
+        return ids <= self._shard_ids and all(
+            id(s) in ids for _, s in self._named_shards if s.requires_grad)
 
     def holds_original(self, ids: set[int]) -> bool:
         """Whether any of ``ids`` is a parameter of the module as it was before

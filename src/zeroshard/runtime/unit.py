@@ -249,6 +249,13 @@ class Unit(UnitView):
         for j, view in enumerate(self.g_layout.shard_views(flat, self.rank)):
             self.shards[self.trainable[j]].grad = view if present[j] else None
 
+    def drop_step_grads(self) -> None:
+        """Free the fp32 copies for the optimizer: the cycle's next backward renews them."""
+        if self.master is not None:
+            for i in self.trainable:
+                self.shards[i].grad = None
+            self.step_grads = None
+
     # -- after the optimizer step ---------------------------------------------------
     def after_step(self) -> None:
         """Bring the compute weights up to date with the updated shards."""
