@@ -141,17 +141,30 @@ def _twin(group, backend=None):
     group by its creation order, so a group created by its members alone could get
     another name on each of them and never meet."""
     world = dist.get_world_size()
+    timeout = _timeout_of(group)  # torch gives a new group 30 minutes, not its parent's
     if group is None or dist.get_world_size(group) == world:
-        return dist.new_group(backend=backend)  # the world, in world order
+        return dist.new_group(backend=backend, timeout=timeout)  # the world, in world order
     mine = dist.get_process_group_ranks(group)
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     twin = None
     for ranks in sorted({tuple(r) for r in every}):
-        created = dist.new_group(list(ranks), backend=backend)
+        created = dist.new_group(list(ranks), backend=backend, timeout=timeout)
         if list(ranks) == mine:
             twin = created
     return twin
+
+
+def _timeout_of(group):
+    """The timeout of ``group`` (the default group's when None), as its backend holds it;
+    None (torch's default) where the backend does not say."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
 
 
 class _Then:

@@ -81,7 +81,9 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: 
     try:
         while len(outputs) + len(errors) < world_size:
             now = time.monotonic()
-            limit = min(deadline, now + _GRACE) if errors else deadline
+            if errors and deadline > now + _GRACE:  # from the first failure on, a grace only
+                deadline = now + _GRACE
+            limit = deadline
             if now >= limit:
                 break
             try:
