@@ -110,6 +110,19 @@ def test_sigkill_during_save_keeps_the_last_checkpoint(saved, tmp_path):
     assert step == 3
 
 
+def test_kill_between_the_renames_of_an_overwrite_leaves_latest_loadable(saved, tmp_path):
+    """An overwrite moves the old copy aside, then the new one in: stopped between the
+    two, ``latest`` names a folder that is gone while ``<name>.old`` is complete."""
+    root = tmp_path / "run"
+    shutil.copytree(saved["n2s3"][0], root)
+    shutil.copytree(root / "step-3", root / "step-3.partial")  # the new copy, not moved in
+    os.replace(root / "step-3", root / "step-3.old")
+    assert (root / "latest").read_text().strip() == "step-3"
+    step, weights = spawn(_load_latest, 2, str(root))[0]
+    assert step == 3
+    assert main(["inspect", str(root)]) == 0
+
+
 def _try_load(path, model):
     net, opt = _make(3, model=model)
     before = net.full_state_dict()

@@ -95,7 +95,13 @@ def resolve(path: str | Path) -> Path:
     if (path / MANIFEST).exists():
         return path
     if (path / LATEST).exists():
-        return path / (path / LATEST).read_text().strip()
+        named = path / (path / LATEST).read_text().strip()
+        old = named.with_name(named.name + ".old")
+        if not (named / MANIFEST).exists() and (old / MANIFEST).exists():
+            # a save that overwrote ``named`` was stopped between moving the old copy
+            # aside and moving the new one in (``_publish``): the old copy is complete
+            return old
+        return named
     raise ValueError(f"{path} is not a zeroshard checkpoint: no {MANIFEST} and no {LATEST} "
                      "pointer")
 
@@ -106,6 +112,10 @@ def read_manifest(ckpt: Path) -> dict:
     manifest = read_json_object(ckpt / MANIFEST, "checkpoint manifest")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{ckpt / MANIFEST}: not a {FORMAT} manifest")
+    missing = [k for k in ("world", "params", "buffers", "files", "extra") if k not in manifest]
+    if missing:
+        raise ValueError(f"{ckpt / MANIFEST}: the manifest lacks {missing} (damaged, or "
+                         "written by another program)")
     return manifest
 
 

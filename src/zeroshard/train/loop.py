@@ -84,6 +84,11 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.resume:
         extra = load(model, optimizer, Path(cfg.save_dir) if cfg.resume == "latest"
                      else cfg.resume)
+        if not {"step", "scheduler"} <= set(extra):
+            raise ValueError(f"{cfg.resume}: a checkpoint without the trainer's step and "
+                             "schedule (saved by zs.save without extra={'step': ..., "
+                             "'scheduler': ...}?); start from its weights with --init-from "
+                             "after `zeroshard export`, or resume a checkpoint of zeroshard train")
         start = extra["step"]
         scheduler.load_state_dict(extra["scheduler"])
     first_eval = evaluate(model, corpus, cfg, "val", rank, world, seq_len)
