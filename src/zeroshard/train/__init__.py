@@ -105,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "--save-dir; any --nproc and --stage")
     p.add_argument("--init-from", metavar="PATH", help="initial weights from consolidated "
                                                        "safetensors")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help=f"how long a rank waits for the others in any collective before it "
+                        f"fails (default {d.timeout:g})")
     p.add_argument("--profile", metavar="DIR", help="profile two steps (turns on the engine's "
                                                     "profiler): trace, lifetime chart, peak "
                                                     "and plan against measurement")

@@ -73,6 +73,11 @@ class TrainConfig:
     Chrome trace per rank and the lifetime chart into this directory."""
     init_from: str | None = None
     """Initialise the weights from consolidated safetensors (a file or directory)."""
+    timeout: float = 300.0
+    """Seconds a rank waits for the others in any collective (every process group the
+    engine creates has it too) before it fails, naming the collective. 300 s: far above
+    any one collective of these models on one machine, so only a dead or frozen rank
+    reaches it, and a run that cannot go on ends in minutes rather than torch's 30."""
 
     def __post_init__(self) -> None:
         def positive(name, allow_none=False):
@@ -82,7 +87,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive number")
 
-        for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches"):
+        for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout"):
             positive(name)
         for name in ("micro_batch", "clip", "warmup", "save_every"):
             positive(name, allow_none=True)

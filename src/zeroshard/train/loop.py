@@ -58,7 +58,7 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, split: str, rank: int, wor
 
 def train(cfg: TrainConfig) -> dict:
     """Run the whole job on this rank; rank 0 prints. Returns the losses (for tests)."""
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=cfg.timeout)
     device = default_device()  # batches are made on the host, the same on every rank
     micro, accum = cfg.accumulation(world)
     gpt_cfg = get_preset(cfg.model)
