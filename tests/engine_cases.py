@@ -1,5 +1,6 @@
-"""Workloads the multi-process engine tests run on every rank (importable by name, so
-the spawned ranks can unpickle them)."""
+"""The shared library of the multi-process engine tests: models, batches, the DDP
+reference trainer, and the grids that each feature file's one spawn runs on every rank
+(importable by name, so the spawned ranks can unpickle them)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import zeroshard as zs
 from zeroshard.models.gpt import GPT, GPTConfig
 
 GLOBAL_BATCH = 12
+TOL = 1e-6  # against DDP: max abs difference relative to max |w|
 
 
 class Block(nn.Module):
@@ -242,7 +244,7 @@ def bit_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
 
 
-# -- grids: one spawn runs all of these; results are plain numbers for the parent ----------
+# -- grids: each feature file's one spawn runs those it asserts; plain results for the parent
 
 VARIANTS = {
     "plain": {},
@@ -314,7 +316,7 @@ def ledger_grid(model="mlp"):
         for stage in range(4):
             _, _, net, opt = train(model, stage, steps=1, precision=precision)
             params = sum(p.numel() for p in build(model).parameters())
-            recipe = net.config.recipe
+            recipe = net.zero_config.recipe
             net.comm_stats(reset=True)
             x, y = batch(model, 1)
             net(x, y).backward()
@@ -340,13 +342,14 @@ def ledger_grid(model="mlp"):
     return out
 
 
-def behaviour_grid():
-    """Unused and frozen parameters, no_sync, refusals, mismatched models."""
+def unused_frozen_grid():
+    """Per stage: a branch nobody takes, a frozen parameter and a branch only rank 0 takes,
+    after three steps; and the untaken branch again under two synchronised micro-batches."""
     out = {}
     for stage in range(4):
         before = {k: v.clone() for k, v in build("branchy").state_dict().items()}
         w, losses, net, _ = train("branchy", stage, steps=3)
-        out[("branchy", stage)] = {
+        out[stage] = {
             "never_changed": torch.equal(w["never.weight"], before["never.weight"]),
             "frozen_changed": not torch.equal(w["frozen"], before["frozen"]),
             "rank0_only_changed": not torch.equal(w["rank0_only.weight"],
@@ -357,9 +360,23 @@ def behaviour_grid():
             "never_changed_accum": torch.equal(train("branchy", stage, steps=2, micros=2)[0][
                 "never.weight"], before["never.weight"]),
         }
+    return out
+
+
+def no_sync_grid():
+    """Per stage: the weights' difference with and without ``no_sync`` on the first of two
+    micro-batches."""
+    out = {}
+    for stage in range(4):
         plain = train("mlp", stage, steps=4, micros=2)[0]
         synced = train("mlp", stage, steps=4, micros=2, use_no_sync=True)[0]
-        out[("no_sync", stage)] = max_rel_diff(synced, plain)
+        out[stage] = max_rel_diff(synced, plain)
+    return out
+
+
+def refusal_grid():
+    """Per (stage, optimizer): the error of an optimizer that cannot step shards, or None."""
+    out = {}
     for stage, opt_cls in ((1, "Adafactor"), (2, "LBFGS"), (3, "Adafactor"), (0, "Adafactor")):
         net = zs.shard(build("mlp"), stage=stage)
         opt = getattr(torch.optim, opt_cls)(net.parameters(), lr=1e-2)
@@ -368,31 +385,42 @@ def behaviour_grid():
         try:
             closure = (lambda net=net, x=x, y=y: net(x, y)) if opt_cls == "LBFGS" else None
             opt.step(closure)
-            out[("refuse", stage, opt_cls)] = None
+            out[(stage, opt_cls)] = None
         except ValueError as exc:
-            out[("refuse", stage, opt_cls)] = str(exc)
-    # stage 0, bf16 gradients summed in fp32: the reductions in flight after backward are
-    # bounded (two), or their fp32 buffers would outweigh the bf16 gradients they carry
+            out[(stage, opt_cls)] = str(exc)
+    return out
+
+
+def bf16_stage0_buffers():
+    """Stage 0, bf16 gradients summed in fp32: the reductions in flight after backward are
+    bounded (two), or their fp32 buffers would outweigh the bf16 gradients they carry.
+    (buffer bytes after backward, the widest unit's fp32 buffer, units)"""
     net = zs.shard(build("mlp"), stage=0, mixed_precision="bf16")
     x, y = batch("mlp", 0)
     net(x, y).backward()
     widest = max((u.r_layout.slot_numel + len(u.trainable)) * u.comm.dp_world * 4
                  for u in net.units)
-    out["bf16_stage0_buffers"] = (net.memory()["buffers"], widest, len(net.units))
-    # rank-dependent weights and buffer: sharding makes every rank start from rank 0's
+    return net.memory()["buffers"], widest, len(net.units)
+
+
+def broadcast_from_rank0():
+    """Rank-dependent weights and buffer: sharding makes every rank start from rank 0's."""
     torch.manual_seed(1234 + dist.get_rank())
     mine = MLP()
     mine.register_buffer("scale", torch.full((3,), float(dist.get_rank())))
     reference = build("mlp").state_dict()
     reference["scale"] = torch.zeros(3)
-    out["broadcast"] = bit_equal(zs.shard(mine, stage=3).full_state_dict(), reference)
+    return bit_equal(zs.shard(mine, stage=3).full_state_dict(), reference)
+
+
+def mismatched_models():
+    """The error when rank 1's model differs from rank 0's, or None."""
     other = build("mlp") if dist.get_rank() == 0 else MLP(width=10)
     try:
         zs.shard(other, stage=2)
-        out["mismatch"] = None
+        return None
     except ValueError as exc:
-        out["mismatch"] = str(exc)
-    return out
+        return str(exc)
 
 
 def misuse_grid():
@@ -550,4 +578,69 @@ def freed_when_dropped():
             gc.collect()
             hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
             out[(stage, profile)] = [r() is None for r in refs] + [len(hooks) == 0]
+    return out
+
+
+def persistence_grid():
+    """Stage 3 with biases and norms (< 100 elements) kept whole: what each rank holds."""
+    net = zs.shard(build("gpt_persist"), stage=3, param_persistence_threshold=100)
+    small = sum(p.numel() for p in build("gpt").parameters() if p.numel() < 100)
+    big = sum(p.numel() for p in build("gpt").parameters() if p.numel() >= 100)
+    x, y = batch("gpt", 0)
+    net(x, y).backward()
+    calls = net.comm_stats()["all_gather"]["calls"]
+    # read once the engine's step pre-hook has landed every reduction
+    opt, seen = torch.optim.SGD(net.parameters(), lr=0.0), []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(net.memory()))
+    opt.step()
+    return {"memory": seen[0], "small": small, "big": big, "gathers": calls,
+            "units": len(net.units)}
+
+
+def prefetch_grid():
+    """States of block 2's unit when block 1 starts, per prefetch depth; and weights."""
+    out = {"reorder": {}}
+    for depth in (0, 1):  # the order changes every step: prefetch must not change results
+        net = zs.shard(build("gpt_reorder"), stage=3, prefetch=depth)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        for step in range(4):
+            net.module.skip = step % 2 == 1
+            x, y = batch("gpt", step)
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["reorder"][depth] = net.full_state_dict()
+    for depth in (0, 1, 2):
+        net = zs.shard(build("gpt_ckpt"), stage=3, prefetch=depth)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        seen = []
+        blocks = net.module.blocks
+        blocks[1].register_forward_pre_hook(
+            lambda m, a, net=net, seen=seen: seen.append((net.units[3].state.value,
+                                                          net.units[1].state.value)))
+        for step in range(3):
+            x, y = batch("gpt", step)
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[depth] = {"seen": seen, "weights": net.full_state_dict(),
+                      "gathers": net.comm_stats()["all_gather"]["calls"]}
+    return out
+
+
+def bucket_grid():
+    """Weights after 3 steps and reductions per step, one collective per unit or one
+    bucket for the whole model, per stage."""
+    out = {}
+    for stage in range(4):
+        for size in (0, 10**9):
+            net = zs.shard(build("gpt"), stage=stage, reduce_bucket_size=size)
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+            for step in range(3):
+                x, y = batch("gpt", step)
+                net(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+            kind = "all_reduce" if stage == 0 else "reduce_scatter"
+            out[(stage, size)] = (net.full_state_dict(), net.comm_stats()[kind]["calls"] / 3)
     return out

@@ -1,13 +1,11 @@
-"""The policy, the step cycle and the shape of the engine's tree: pure unit tests, no
-process group."""
+"""The policy (what a stage means) and the shape of the engine's tree: pure unit tests,
+no process group. (The step cycle is in test_cycle.py, the dim-0 chunks in test_layout.py.)"""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-from zeroshard.runtime.cycle import CycleState, StepCycle
-from zeroshard.runtime.layout import ShardLayout, dim0_chunk
 from zeroshard.runtime.policy import AfterStep, FullGrads, ShardPolicy
 
 RUNTIME = Path(__file__).resolve().parents[1] / "src" / "zeroshard" / "runtime"
@@ -44,53 +42,6 @@ def test_whole_params_is_stage_two_inside_stage_three():
 def test_policy_refuses_a_non_stage(stage):
     with pytest.raises(ValueError, match="is not a ZeRO stage; expected 0, 1, 2 or 3"):
         ShardPolicy.for_stage(stage)
-
-
-def test_cycle_accepts_the_ordinary_loop():
-    c = StepCycle()
-    seq = ["backward_begin", "backward_end_unreduced",  # a micro-batch under no_sync
-           "backward_begin", "backward_end", "finalize", "finalize",  # clip, then step
-           "step_begin", "step_end", "zero_grad", "finalize", "step_begin", "step_end"]
-    states = [c.advance(e) for e in seq]
-    assert states == [CycleState.BACKWARD, CycleState.UNREDUCED, CycleState.BACKWARD,
-                      CycleState.REDUCING, CycleState.FINAL, CycleState.FINAL, CycleState.STEP,
-                      CycleState.IDLE, CycleState.IDLE, CycleState.FINAL, CycleState.STEP,
-                      CycleState.IDLE]
-
-
-@pytest.mark.parametrize("path, event, message", [
-    (["backward_begin"], "finalize",
-     "the gradients were read (optimizer.step() or clip_grad_norm_()) while the model is in "
-     "state 'backward'; expected the backward pass to finish first"),
-    (["backward_begin"], "zero_grad", "zero_grad() was called while the model is in state "
-                                      "'backward'"),
-    (["finalize", "step_begin"], "backward_begin",
-     "a backward pass began while the model is in state 'step'; expected optimizer.step() "
-     "to return first"),
-    (["finalize", "step_begin"], "finalize", "in state 'step'"),
-    ([], "step_begin", "optimizer.step() began while the model is in state 'idle'"),
-])
-def test_cycle_misuse_names_what_happened_and_what_was_expected(path, event, message):
-    c = StepCycle()
-    for e in path:
-        c.advance(e)
-    before = c.state
-    with pytest.raises(ValueError) as exc:
-        c.advance(event)
-    assert message in str(exc.value)
-    assert c.state is before  # a refused event changes nothing
-
-
-def test_one_chunk_arithmetic():
-    """The layout's real rows are the chunks dim0_chunk gives, at every rank."""
-    for rows in (0, 1, 5, 7, 64):
-        for world in (1, 3, 4, 8):
-            layout = ShardLayout([(rows, 3)], world)
-            chunks = [dim0_chunk(rows, r, world) for r in range(world)]
-            assert [b - a for a, b in chunks] == [layout.slots[0].real_rows(r)
-                                                 for r in range(world)]
-            assert chunks[0][0] == 0 and chunks[-1][1] == rows
-            assert all(chunks[r][1] == chunks[r + 1][0] for r in range(world - 1))
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,52 +1,14 @@
-"""Pure unit tests of the engine's pieces: no process group."""
+"""Configuration and setup, as unit tests (no process group): ZeroConfig's validation,
+the DeepSpeed config translator, and zs.shard / zs.init_distributed without a launcher."""
 
 import re
 
 import pytest
-import torch
-import torch.nn as nn
 
 import zeroshard as zs
 from zeroshard.runtime.config import ZeroConfig
-from zeroshard.runtime.layout import ShardLayout
-from zeroshard.runtime.units import select_units
 
-from .engine_cases import MLP, Block
-
-
-def test_layout_shapes_padding_and_roundtrip():
-    shapes = [(7, 3), (5,), ()]
-    layout = ShardLayout(shapes, world=3)
-    # 7 rows over 3 ranks: chunks of 3 rows -> rank 2 owns 1 real row + 2 padding rows
-    assert [s.chunk_rows for s in layout.slots] == [3, 2, 1]
-    assert layout.slot_numel == 9 + 2 + 1
-    assert [layout.slots[0].shard_shape(r) for r in range(3)] == [(3, 3), (3, 3), (1, 3)]
-    assert [layout.slots[2].shard_shape(r) for r in range(3)] == [(1,), (0,), (0,)]
-    assert sum(layout.real_numel(r) for r in range(3)) == layout.numel == 21 + 5 + 1
-    full = [torch.randn(7, 3), torch.randn(5), torch.randn(())]
-    packed = torch.empty(3 * layout.slot_numel, dtype=torch.float64)
-    layout.pack([t.reshape(s.rows, s.row_numel) for t, s in zip(full, layout.slots)], packed)
-    back = layout.unpack(packed.view(3, -1))
-    assert all(torch.equal(a.double(), b) for a, b in zip(full, back))
-    views = layout.shard_views(packed.view(3, -1)[2].clone(), rank=2)
-    assert torch.equal(views[0], full[0][6:7].double())
-
-
-def test_unit_policies():
-    m = MLP()
-    assert select_units(m, "blocks") == list(m.blocks)
-    assert select_units(m, None) == []
-    assert select_units(m, Block) == list(m.blocks)
-    assert select_units(m, [m.blocks[0]]) == [m.blocks[0]]
-    assert select_units(m, 170) == list(m.blocks)  # block 180 params; its Linear 156
-    with pytest.raises(ValueError, match="units='layers' is not a unit policy"):
-        select_units(m, "layers")
-    with pytest.raises(ValueError, match="the model itself is always the root unit"):
-        select_units(m, [m])
-    with pytest.raises(ValueError, match="units=0 must be a positive parameter count"):
-        select_units(m, 0)
-    with pytest.raises(ValueError, match="Linear module is not part of the model"):
-        select_units(m, [nn.Linear(2, 2)])
+from .engine_cases import MLP
 
 
 def test_config_validation():
@@ -95,13 +57,6 @@ def test_shard_without_process_group_is_a_clear_error():
         zs.shard(MLP(), stage=2)
 
 
-def test_planner_and_engine_share_the_recipe():
-    from zeroshard.plan import RECIPES
-
-    assert ZeroConfig(mixed_precision="bf16").recipe == RECIPES["bf16-mixed-adamw"] \
-        .with_reduce_dtype("fp32")
-
-
 def test_init_distributed_without_torchrun_is_a_group_of_one():
     import subprocess
     import sys
@@ -114,11 +69,3 @@ def test_init_distributed_without_torchrun_is_a_group_of_one():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True).stdout
     assert out.splitlines() == ["(0, 1)", "['bias', 'weight']"]
-
-
-def test_planner_counts_a_module_with_tied_weights_once():
-    from zeroshard.models.gpt import GPT, get_preset
-    from zeroshard.plan import ModelSpec
-
-    spec = ModelSpec.from_module(GPT(get_preset("small")))
-    assert spec.params == 842_496  # the head shares the embedding: counted once
