@@ -392,15 +392,24 @@ def refusal_grid():
 
 
 def bf16_stage0_buffers():
-    """Stage 0, bf16 gradients summed in fp32: the reductions in flight after backward are
+    """Stage 0, bf16 gradients summed in fp32: the reductions in flight during backward are
     bounded (two), or their fp32 buffers would outweigh the bf16 gradients they carry.
-    (buffer bytes after backward, the widest unit's fp32 buffer, units)"""
+    (most buffer bytes during backward, the widest unit's fp32 buffer, units)"""
     net = zs.shard(build("mlp"), stage=0, mixed_precision="bf16")
+
+    class Peak:  # a listener of the engine's events: buffers as each unit finishes backward
+        most = 0
+
+        def event(self, kind, unit=None, **info):
+            if kind == "backward_end":
+                Peak.most = max(Peak.most, net.memory()["buffers"])
+
+    net.events.subscribe(Peak())
     x, y = batch("mlp", 0)
     net(x, y).backward()
     widest = max((u.r_layout.slot_numel + len(u.trainable)) * u.comm.dp_world * 4
                  for u in net.units)
-    return net.memory()["buffers"], widest, len(net.units)
+    return Peak.most, widest, len(net.units)
 
 
 def broadcast_from_rank0():

@@ -25,20 +25,30 @@ def grid():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_comm_equals_plan_n2(grid, precision, stage):
     r = grid["ledger"][(precision, stage)]
-    sent = sum(k["bytes"] for k in r["comm"].values())
+    sent = _planned_kinds(r["comm"])
     # the engine adds one presence flag per parameter to each rank's slot of a reduction:
     # N·F flags, of which a reduce-scatter sends (N-1)/N and an all-reduce twice that
     flags = r["flag_bytes"] * (2 if stage == 0 else 1)
     assert sent - r["comm_plan"] == flags, (sent, r["comm_plan"], flags)
     kinds = set(r["comm"])
-    assert kinds == ({"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"})
+    assert kinds == ({"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"}
+                     | ({"check"} if stage == 3 else set()))
     if stage == 3:
-        assert r["comm"]["all_gather"]["calls"] == 2 * r["comm"]["reduce_scatter"]["calls"]
+        comm = r["comm"]
+        assert comm["all_gather"]["calls"] == 2 * comm["reduce_scatter"]["calls"]
+        # before each gather the two ranks agree on the unit: 2 int64 gathered, 8 bytes sent
+        assert comm["check"] == {"calls": comm["all_gather"]["calls"],
+                                 "bytes": 8 * comm["all_gather"]["calls"]}
+
+
+def _planned_kinds(comm: dict) -> int:
+    """Bytes of the collectives the planner counts: all but stage 3's unit checks."""
+    return sum(v["bytes"] for kind, v in comm.items() if kind != "check")
 
 
 def test_stage3_sends_one_and_a_half_times_ddp(grid):
     ledger = grid["ledger"]
-    sent = {s: sum(k["bytes"] for k in ledger[(None, s)]["comm"].values())
+    sent = {s: _planned_kinds(ledger[(None, s)]["comm"])
             - ledger[(None, s)]["flag_bytes"] * (2 if s == 0 else 1) for s in (0, 3)}
     assert sent[3] / sent[0] == 1.5
 

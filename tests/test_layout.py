@@ -99,6 +99,6 @@ def test_memory_equals_plan_n3(ranks, precision, stage):
         sharded = stage >= {"optimizer": 1, "grads": 2, "params": 3}[cat]
         total = sum(r["memory"][cat] for r in per_rank)
         assert total == per[cat] * P * (1 if sharded else 3), cat
-        assert per_rank[0]["plan"][k] == -(-total // 3) if sharded else per[cat] * P
+        assert per_rank[0]["plan"][k] == (-(-total // 3) if sharded else per[cat] * P), cat
     if stage >= 1:
         assert sum(r["memory"]["padding"] for r in per_rank) > 0

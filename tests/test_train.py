@@ -169,6 +169,8 @@ ENGINE_FLAGS = {
     "prefetch_bucket_size": (["--prefetch-bucket-size", "1000"], 1000),
     "reduce_bucket_size": (["--reduce-bucket-size", "5000"], 5000),
     "sync_module_states": (["--no-sync-module-states"], False),
+    "broadcast_buffers": (["--no-broadcast-buffers"], False),
+    "check_gathers": (["--no-check-gathers"], False),
 }
 
 
