@@ -151,22 +151,25 @@ def test_three_reductions_in_flight_wait_and_slow_links_serialise():
 
 
 def test_two_micro_batches_on_a_slow_link():
-    # 2 ms all-reduces queue behind a 1 ms backward per unit; the second backward starts
-    # when the first's last reduction lands (11 ms + a pack + a landing), its own last
-    # one lands at 20 ms + two packs + a landing
+    # 2 ms all-reduces queue behind a 1 ms backward per unit; the first backward ends
+    # when its last reduction lands (11 ms + a pack + a landing: the other landings hide
+    # in that wait), the second micro-batch's forward and backward follow (6 ms) and its
+    # last reduction lands 5 ms after its first unit's backward: 22 ms in all
     slow = Link("slow", 0.25e9, 0.0)
     c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
     t = step_time(TOY, BF16, WORK, 2, c, Schedule(0, micro_batches=2))
-    assert t.step == pytest.approx(20 * MS + 2 * PACK + 2 * LAND0 + 4 * CAST0 + optimizer(0))
+    assert t.step == pytest.approx(22 * MS + 2 * PACK + 2 * LAND0 + 4 * CAST0 + optimizer(0))
 
 
-def test_accumulation_overlaps_reductions_with_the_next_forward():
-    # the next backward lands all four of the previous one's reductions first
+def test_accumulation_lands_each_backward_before_the_next_forward():
+    # each backward ends once its reductions landed (the shards then hold their .grad):
+    # the last 0.5 ms all-reduce of every micro-batch is exposed, its landing too, and
+    # the others land while it travels
     assert toy(0, micro_batches=2).step == pytest.approx(
-        12.5 * MS + 8 * PACK + 5 * LAND0 + 4 * CAST0 + optimizer(0))
+        13 * MS + 8 * PACK + 2 * LAND0 + 4 * CAST0 + optimizer(0))
     # beyond three simulated micro-batches the steady-state increment repeats
     assert toy(0, micro_batches=5).step == pytest.approx(
-        30.5 * MS + 20 * PACK + 17 * LAND0 + 4 * CAST0 + optimizer(0))
+        32.5 * MS + 20 * PACK + 5 * LAND0 + 4 * CAST0 + optimizer(0))
     # ZeRO-2's later micro-batches add into grad_shard: no overlap makes it a plain sum
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
     t = step_time(TOY, BF16, WORK, 2, c, Schedule(2, micro_batches=3))

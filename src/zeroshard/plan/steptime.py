@@ -18,9 +18,10 @@ order; the compute stream waits on them only where the engine waits:
 
 - every stage reduces each unit's gradients once its backward is done, in reverse
   forward order — stages 1–3 with at most two in flight (a third waits for the oldest),
-  stage 0 without a bound — hidden behind the backward of the units still to come; the
-  next backward waits for all of them and the step for the last: it is exposed, less
-  the landings of the others meanwhile;
+  stage 0 without a bound — hidden behind the backward of the units still to come;
+  each backward ends once all of them have landed (every shard then holds its
+  gradient, as in FSDP2): the last is exposed, and with accumulation the next
+  micro-batch's forward starts after it;
 - stage 3 gathers each unit before its forward and again before its backward, and the
   next ``prefetch`` units' as soon as its own has landed: the first gather of each pass
   is exposed, and with ``prefetch`` 0 every gather is;
@@ -308,7 +309,7 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     g = gather if stage == 3 else None
     pf = schedule.prefetch
 
-    # ShardedModel._bucket_flush: two reductions in flight at most, except at stage 0
+    # Reducer._flush (runtime/backward.py): two reductions in flight at most, except at stage 0
     # when it reduces in the gradients' own dtype
     bounded = stage > 0 or recipe.reduce_bytes > recipe.grad_bytes
     line = _Link()
@@ -316,13 +317,13 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     unpack, pack = cost.gather / bw, cost.pack / bw
     for i in range(min(schedule.micro_batches, SIMULATED)):
         t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack)
-        t = _land(t, flying)  # a backward starts once the last one's reductions landed
         t = _pass(t, line, units, b_unit, g, pf, reduce, flying, bounded, unpack, pack,
                   (cost.land if i == 0 else cost.land_more) / bw)
+        t = _land(t, flying)  # a backward ends once its reductions landed: shards hold .grad
         ends.append(t)
     extra = schedule.micro_batches - len(ends)
     shift = extra * (ends[-1] - ends[-2]) if extra > 0 else 0.0
-    t = _land(t, flying) + shift  # the step waits for (and lands) the last reductions
+    t += shift
 
     owned = model.params / tp / (dp if stage >= 1 else 1)
     streamed = 2 * (recipe.optimizer_bytes + recipe.weight_bytes) + recipe.grad_bytes
