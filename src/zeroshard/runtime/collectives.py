@@ -115,13 +115,14 @@ class Collectives:
                                    async_op=True)
         return self._issue("all_gather", out, unit, call, async_op)
 
-    def agree(self, value: int) -> list[int]:
-        """Every rank's ``value``, in rank order (one small all-gather on the host)."""
+    def agree(self, value: int):
+        """Start gathering every rank's ``value`` (one small all-gather on the host);
+        the returned function waits for it and returns them in rank order."""
         out = torch.empty(self.dp_world, dtype=torch.int64)
         inp = torch.tensor([value], dtype=torch.int64)
-        self._issue("check", out, None, lambda: _all_gather(
-            out, inp, group=self.control_group, async_op=True), False)
-        return out.tolist()
+        work = self._issue("check", out, None, lambda: _all_gather(
+            out, inp, group=self.control_group, async_op=True), True)
+        return lambda: (work.wait(), out.tolist())[1]
 
     def _on_gloo(self, t: torch.Tensor) -> bool:
         return self._gloo and t.device.type == "cpu" and self.dp_world > 1

@@ -143,10 +143,17 @@ def _name(module: nn.Module, m: nn.Module) -> str:
     return next(n for n, x in module.named_modules() if x is m)
 
 
-def _check_gather(units: list[Unit], comm: Collectives, unit: Unit) -> None:
-    """Every rank must be about to gather ``unit`` (``ZeroConfig.check_gathers``): ranks
-    that gathered unlike units would pair them, silently wrong when their sizes agree."""
-    wanted = comm.agree(unit.index)
+def _check_gather(units: list[Unit], comm: Collectives, unit: Unit):
+    """Every rank must be gathering ``unit`` (``ZeroConfig.check_gathers``): ranks that
+    gathered unlike units would pair them, silently wrong when their sizes agree. The
+    exchange is issued beside the gather, without waiting (no barrier per gather); the
+    returned function, called before the gathered weights are used, checks it."""
+    pending = comm.agree(unit.index)
+    return functools.partial(_verify_gather, units, unit, pending)
+
+
+def _verify_gather(units: list[Unit], unit: Unit, pending) -> None:
+    wanted = pending()
     if any(k != unit.index for k in wanted):
         ranks = "; ".join(f"rank {r}: unit {k} ({units[k].name})" for r, k in enumerate(wanted))
         raise ValueError(

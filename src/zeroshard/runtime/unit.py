@@ -1,10 +1,7 @@
-"""A unit: the parameters gathered together and reduced together.
-
-One code path for every stage; what differs is asked of the unit's
-:class:`~zeroshard.runtime.policy.ShardPolicy` (``policy.py`` tabulates the stages).
-Stage 0 is the same machinery with a shard group of one for the optimizer state.
-Others read a unit through the public methods of :class:`UnitView` (``unitview.py``).
-"""
+"""A unit: the parameters gathered together and reduced together. One code path for
+every stage; what differs is asked of its :class:`~zeroshard.runtime.policy.ShardPolicy`
+(stage 0 is a shard group of one for the optimizer state). Others read a unit through
+the public methods of :class:`UnitView` (``unitview.py``)."""
 
 from __future__ import annotations
 
@@ -93,7 +90,8 @@ class Unit(UnitView):
         self._gather_work = None  # sharded parameters: (work, [N, S] buffer) of a gather
         self.prefetched = False  # gathered ahead of use, not used yet
         self.name = ""  # the unit's module, as the model names it (set by the engine)
-        self.check_gather = None  # called before each all-gather (ZeroConfig.check_gathers)
+        self.check_gather = None  # issued with each all-gather (ZeroConfig.check_gathers)
+        self._verify = None  # its check, run before the gathered weights are used
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
         if policy.shards_params:
             self.release()
@@ -120,8 +118,7 @@ class Unit(UnitView):
         """Issue the all-gather of the compute weights (a prefetch returns here)."""
         if self.state is not UnitState.SHARDED:
             return
-        if self.check_gather is not None:
-            self.check_gather(self)
+        self._verify = self.check_gather(self) if self.check_gather is not None else None
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
         self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True,
@@ -136,6 +133,9 @@ class Unit(UnitView):
             return
         self.start_gather()
         work, out = self._gather_work
+        if self._verify is not None:  # every rank gathered this unit, before it is used
+            verify, self._verify = self._verify, None
+            verify()
         work.wait()
         self._gather_work = None
         for p, buf in zip(self.params, self.padded):
