@@ -138,7 +138,7 @@ class ShardedModel(Readout, nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            module = self._modules.get("module")
+            module = self.__dict__.get("_modules", {}).get("module")  # none while unpickling
             if module is None:
                 raise
             return getattr(module, name)
