@@ -151,7 +151,26 @@ def run(args) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
-    return subprocess.run(cmd, env=env).returncode
+    with _hold_save_dir(cfg):
+        return subprocess.run(cmd, env=env).returncode
+
+
+def _hold_save_dir(cfg: TrainConfig):
+    """The save folder checked (writable, room for a checkpoint beside the last) and
+    held for the run, before any process starts (``checkpoint/savedir.py``)."""
+    import contextlib
+
+    if not cfg.save_dir:
+        return contextlib.nullcontext()
+    import torch
+
+    from ..checkpoint import savedir
+    from ..models.gpt import GPT, get_preset
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(get_preset(cfg.model)).parameters())
+    savedir.check(cfg.save_dir, 2 * savedir.checkpoint_bytes(params, cfg.zero.recipe))
+    return savedir.hold(cfg.save_dir)
 
 
 def _check_paths(cfg: TrainConfig) -> None:
