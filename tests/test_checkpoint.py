@@ -121,6 +121,8 @@ def test_kill_between_the_renames_of_an_overwrite_leaves_latest_loadable(saved, 
     step, weights = spawn(_load_latest, 2, str(root))[0]
     assert step == 3
     assert main(["inspect", str(root)]) == 0
+    spawn(_mlp_save, 2, str(root))  # the next save clears up what the stopped one left
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "mlp", "step-3"]
 
 
 def _try_load(path, model):

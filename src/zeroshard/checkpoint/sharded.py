@@ -199,6 +199,15 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
     pointer.write_text(path.name + "\n")
     os.replace(pointer, path.parent / LATEST)
     fsync_dir(str(path.parent))
+    # what saves stopped by a kill left beside it: incomplete copies go; a complete copy
+    # that a stopped overwrite moved aside gets its name back
+    for leftover in path.parent.glob("*.partial"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+    for old in path.parent.glob("*.old"):
+        named = old.with_name(old.name[:-len(".old")])
+        if old.is_dir() and not named.exists() and (old / MANIFEST).exists():
+            os.replace(old, named)
 
 
 def verify(ckpt: Path, manifest: dict, needed: set[str]) -> str | None:
