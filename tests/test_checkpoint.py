@@ -1,6 +1,7 @@
 """Checkpoints on real gloo ranks: resume bit for bit, reshard across N and stages,
 survive a rank killed mid-save, refuse damaged files, export to Hugging Face, import."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -147,12 +148,24 @@ def _damage(root, how):
         f.write_bytes(bytes(data))
     elif how == "missing":
         f.unlink()
+    elif how == "header":  # a tensor renamed in the header, the checksum made to match
+        data = bytearray(f.read_bytes())
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        name = next(k for k in header if k != "__metadata__" and "::" not in k)
+        renamed = name[:-1] + ("X" if name[-1] != "X" else "Y")
+        data[8:8 + n] = data[8:8 + n].replace(f'"{name}"'.encode(), f'"{renamed}"'.encode(), 1)
+        f.write_bytes(bytes(data))
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["files"][f.name]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("how,message", [
     ("truncated", "bytes, the manifest says"),
     ("corrupted", "checksum mismatch (corrupted)"),
     ("missing", "missing"),
+    ("header", "which its manifest lists"),
 ])
 def test_damaged_checkpoints_are_refused(saved, tmp_path, how, message):
     root = tmp_path / "run"

@@ -13,7 +13,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .sharded import read_manifest, resolve, verify
+    from .sharded import read_manifest, resolve, verify, verify_contents
 
     ckpt = resolve(args.ckpt)
     m = read_manifest(ckpt)
@@ -27,7 +27,7 @@ def run(args) -> int:
         t.add_column(col, justify="left" if col != "bytes" else "right")
     bad = 0
     for fname, info in sorted(m["files"].items()):
-        problem = verify(ckpt, m, {fname})
+        problem = verify(ckpt, m, {fname}) or verify_contents(ckpt, m, fname)
         bad += problem is not None
         t.add_row(fname, f"{info['bytes']:,}", "ok" if problem is None else problem)
     console.print(t)

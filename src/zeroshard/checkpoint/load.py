@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .sharded import entries, read_manifest, resolve, verify
+from .sharded import entries, read_manifest, resolve, verify, verify_contents
 from .tensorfile import TensorFile
 
 
@@ -74,11 +74,31 @@ def load(model, optimizer, path: str | Path) -> dict:
         problem = verify(ckpt, manifest, needed)
         if problem is None and optimizer is not None:
             problem = _check_groups(manifest, model, optimizer, ckpt)
+        if problem is None:
+            problem = _check_contents(ckpt, manifest, model, needed)
     except ValueError as exc:
         problem = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure on one rank stops every rank
+        problem = f"{ckpt or path}: {type(exc).__name__}: {exc}"
     _agree(model, problem)
     _apply(model, optimizer, ckpt, manifest, plan, rank, world)
     return manifest["extra"]
+
+
+def _check_contents(ckpt: Path, manifest: dict, model, needed: set[str]) -> str | None:
+    """Parse every file this rank will read and find each tensor in it, before anything is
+    applied: a file whose checksum matches but whose header does not (rewritten, or from
+    another program) is named here, not half-way through a load."""
+    for fname in sorted(needed):
+        problem = verify_contents(ckpt, manifest, fname)
+        if problem:
+            return problem
+    f0 = TensorFile(str(ckpt / f"rank{0:05d}.safetensors"))
+    for name, buf in model.module.named_buffers():
+        key = f"{name}::buffer"
+        if key not in f0.header or f0.shape(key) != tuple(buf.shape):
+            return f"{f0.path}: buffer {name!r} of shape {tuple(buf.shape)} is not there"
+    return None
 
 
 def _check_groups(manifest, model, optimizer, ckpt) -> str | None:

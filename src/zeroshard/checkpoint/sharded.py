@@ -210,6 +210,25 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
             os.replace(old, named)
 
 
+def verify_contents(ckpt: Path, manifest: dict, fname: str) -> str | None:
+    """The first tensor the manifest places in ``fname`` that the file's header lacks or
+    shapes otherwise (a checksum says the bytes are the ones written, not that they are
+    what the manifest describes), or None."""
+    from .tensorfile import TensorFile
+
+    try:
+        f = TensorFile(str(ckpt / fname))
+    except ValueError as exc:
+        return str(exc)
+    for name, (a, b) in manifest["files"][fname]["rows"].items():
+        want = (b - a, *manifest["params"][name]["shape"][1:])
+        if name not in f.header:
+            return f"{ckpt / fname}: no tensor {name!r}, which its manifest lists"
+        if f.shape(name) != want:
+            return f"{ckpt / fname}: {name!r} has shape {f.shape(name)}, its manifest {want}"
+    return None
+
+
 def verify(ckpt: Path, manifest: dict, needed: set[str]) -> str | None:
     """The first problem with the files in ``needed``, or None."""
     for fname in sorted(needed):
