@@ -135,8 +135,14 @@ def test_ring_accounting():
 
 def test_activation_formulas():
     m = ModelSpec("m", 10**9, hidden=1024, layers=10, heads=16)
-    # checkpointing: tokens·h·(L + 17)·bytes
-    assert activation_bytes(m, BF16, Workload(2048)) == 2048 * 1024 * 27 * 2
+    # checkpointing with flash attention: tokens·h·(L + 17)·bytes
+    flash = Workload(2048, flash_attention=True)
+    assert activation_bytes(m, BF16, flash) == 2048 * 1024 * 27 * 2
+    # without it the recomputed layer keeps its 5·a·s·tokens bytes of scores as well
+    assert activation_bytes(m, BF16, Workload(2048)) == 2048 * 1024 * 27 * 2 + 5 * 16 * 2048**2
+    # the source documents' bare 7B count has no heads: the seed's L + 17 stands
+    assert activation_bytes(ModelSpec("7B", 10**9, 4096, 32), BF16, Workload()) == (
+        2048 * 4096 * 49 * 2)
     # Korthikanti et al.: per layer s·b·h·(34 + 5·a·s/h) 16-bit bytes
     full = activation_bytes(m, BF16, Workload(4096, seq_len=2048, checkpointing=False))
     assert full == 10 * 2048 * 2 * 1024 * (34 + 5 * 16 * 2048 / 1024)
@@ -195,7 +201,8 @@ BAD = [
     (["--model", "gpt2", "--hidden", "5"], "--model and --hidden contradict"),
     (["--hidden", "64", "--layers", "2"], "missing --heads, --ffn, --vocab"),
     (["--params", "100", "--ffn", "3"], "--ffn has no effect with --params"),
-    (["--flash-attention"], "--flash-attention only applies with --no-checkpointing"),
+    (["--checkpoint-every", "2", "--no-checkpointing"],
+     "--checkpoint-every and --no-checkpointing contradict each other"),
     (["--precision", "fp8-magic"], "unknown precision recipe 'fp8-magic'"),
     (["--strategy", "ZeRO-9"], "unknown strategy 'ZeRO-9'"),
     (["--sweep", "8,x"], "--sweep='8,x' must be comma-separated"),

@@ -286,11 +286,15 @@ def test_tp_divides_state_then_zero_shards_it():
 def test_tp_activations_korthikanti():
     t, tok, h = 2, 2048, 4096
     # checkpointing: layer inputs whole, the recomputed layer (10 + 24/t)/2 elements
-    assert activation_bytes(M7, BF16, Workload(tok), tp=t) == tok * h * (32 * 2 + 22)
+    flash = Workload(tok, flash_attention=True)
+    assert activation_bytes(M7, BF16, flash, tp=t) == tok * h * (32 * 2 + 22)
+    # without flash the recomputed layer keeps its 5·a·s/(h·t) of scores too
+    assert activation_bytes(M7, BF16, Workload(tok), tp=t) == tok * h * (32 * 2 + 22) + (
+        5 * 32 * tok * tok // t)
     # no checkpointing: per layer s·h·(10 + 24/t + 5·a·s/(h·t)) 16-bit bytes
     full = activation_bytes(M7, BF16, Workload(tok, checkpointing=False), tp=t)
     assert full == 32 * tok * h * (10 + 24 // t + 5 * 32 * tok // (h * t))
-    assert activation_bytes(M7, BF16, Workload(tok), tp=1) == tok * h * 49 * 2
+    assert activation_bytes(M7, BF16, flash, tp=1) == tok * h * 49 * 2
 
 
 def test_tp_all_reduces_are_counted():

@@ -11,7 +11,7 @@ Pure Python — importing this package never imports torch.
 """
 
 from .advice import MinGpus, first_fit, floor_bytes, min_gpus, why_none_fits
-from .arch import PRESETS, Architecture, ModelSpec, from_hf_config, get_preset
+from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hardware import (
     ACCELERATORS,
     NETWORKS,
@@ -22,6 +22,7 @@ from .hardware import (
     get_accelerator,
     get_network,
 )
+from .hfconfig import from_hf_config
 from .memory import (
     STRATEGIES,
     StrategyPlan,

@@ -1,24 +1,30 @@
-"""Architectures: parameter counts from transformer dimensions, presets, HF configs.
+"""Architectures: parameter counts from transformer dimensions, and presets.
 
 A decoder-only transformer of hidden size h, L layers, vocabulary V holds
 
 - embeddings ``V·h`` (plus ``max_positions·h`` for learned positions), and a separate
   ``V·h`` head unless it is tied to the embedding;
-- per layer: attention ``2·h·h + 2·h·(kv_heads·head_dim)`` (q, o and the k, v
-  projections, smaller under grouped-query attention), an MLP of ``3·h·f`` (gated:
-  gate, up, down) or ``2·h·f`` (plain), two norms, and biases where the family has them;
+- per layer: attention ``h·q + 2·h·kv + q·h`` (q = heads·head_dim; the k and v
+  projections kv = kv_heads·head_dim wide, smaller under grouped-query attention), an
+  MLP of ``3·h·f`` (gated: gate, up, down) or ``2·h·f`` (plain), ``norms`` norms of h
+  (two, Gemma-2 four), Qwen3's per-head q and k norms (``2·head_dim``), and biases where
+  the family has them;
 - a final norm.
 
-The counts are checked against the published ones (Llama-2 7B = 6,738,415,616;
-GPT-2 small = 124,439,808, ...) in the tests.
+The root unit (what the engine keeps outside the blocks: embeddings, final norm, head)
+and one block are :attr:`Architecture.root_params` and :attr:`Architecture.block_params`.
+Every preset and every ``--hf-config`` family is checked in the tests against the model
+transformers itself builds on the meta device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from .._jsonfile import read_json_object
+#: Activation-model families (``plan/activations.py``): GPT-2's sequential pre-norm
+#: block with LayerNorm and a GELU MLP; Llama's with RMSNorm and SwiGLU (Mistral,
+#: Qwen2, Qwen3); GPT-NeoX's parallel residual; Gemma-2's four norms and soft-capping.
+FAMILIES = ("gpt", "llama", "neox", "gemma2")
 
 
 @dataclass(frozen=True)
@@ -51,9 +57,24 @@ class Architecture:
     """Norms carry a bias (LayerNorm) rather than a weight only (RMSNorm)."""
     linear_bias: bool = False
     """Every attention and MLP projection carries a bias (GPT-2, GPT-NeoX)."""
+    qkv_bias: bool = False
+    """The q, k and v projections carry a bias (Qwen2; Llama's ``attention_bias``)."""
+    o_bias: bool = False
+    """The attention output projection carries a bias (Llama's ``attention_bias``)."""
+    mlp_bias: bool = False
+    """The MLP projections carry biases (Llama's ``mlp_bias``)."""
+    qk_norm: bool = False
+    """An RMSNorm of head_dim on every query and key head (Qwen3)."""
+    norms: int = 2
+    """Norms per block (Gemma-2: four, around attention and around the MLP)."""
+    family: str = "llama"
+    """Activation-model family, one of :data:`FAMILIES`."""
+    gelu_tanh_unfused: bool = False
+    """GPT-2's ``gelu_new``: the tanh GELU written as separate operations, three more
+    MLP-wide tensors saved than a fused GELU."""
 
     def __post_init__(self) -> None:
-        for field in ("hidden", "layers", "heads", "ffn", "vocab"):
+        for field in ("hidden", "layers", "heads", "ffn", "vocab", "norms"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{self.name}: {field}={value!r} must be a positive integer")
@@ -68,34 +89,66 @@ class Architecture:
             )
         if self.max_positions < 0:
             raise ValueError(f"{self.name}: max_positions={self.max_positions} must be >= 0")
+        if self.family not in FAMILIES:
+            raise ValueError(f"{self.name}: family={self.family!r}; expected one of "
+                             f"{', '.join(FAMILIES)}")
+
+    @property
+    def dim(self) -> int:
+        """Per-head width."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Query width heads·head_dim (= h unless head_dim is given)."""
+        return self.heads * self.dim
+
+    @property
+    def kv_width(self) -> int:
+        """Key (and value) width kv_heads·head_dim."""
+        return (self.kv_heads or self.heads) * self.dim
+
+    @property
+    def block_params(self) -> int:
+        """Parameters of one transformer block."""
+        h, f, q, kv = self.hidden, self.ffn, self.q_width, self.kv_width
+        matrices = (3 if self.gated_mlp else 2) * f
+        per_layer = h * q + 2 * h * kv + q * h + matrices * h
+        per_layer += self.norms * h * (2 if self.norm_bias else 1)
+        if self.qk_norm:
+            per_layer += 2 * self.dim
+        if self.linear_bias or self.qkv_bias:
+            per_layer += q + 2 * kv
+        if self.linear_bias or self.o_bias:
+            per_layer += h
+        if self.linear_bias or self.mlp_bias:
+            per_layer += (2 if self.gated_mlp else 1) * f + h
+        return per_layer
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, the final norm and an untied head: the root unit, which stage 3
+        gathers at the first forward and again at the start of backward."""
+        h = self.hidden
+        head = 0 if self.tied else self.vocab * h
+        return (self.vocab + self.max_positions) * h + h * (2 if self.norm_bias else 1) + head
 
     @property
     def params(self) -> int:
         """Total parameter count, norms and biases included."""
-        h, f = self.hidden, self.ffn
-        head_dim = self.head_dim or h // self.heads
-        q_width = self.heads * head_dim
-        kv_width = (self.kv_heads or self.heads) * head_dim
-        attn = h * q_width + 2 * h * kv_width + q_width * h
-        mlp = (3 if self.gated_mlp else 2) * h * f
-        norm = h * (2 if self.norm_bias else 1)
-        per_layer = attn + mlp + 2 * norm
-        if self.linear_bias:
-            per_layer += q_width + 2 * kv_width + h  # q, k, v and output-projection biases
-            per_layer += (2 if self.gated_mlp else 1) * f + h  # MLP biases
-        embed = self.vocab * h + self.max_positions * h
-        head = 0 if self.tied else self.vocab * h
-        return embed + self.layers * per_layer + norm + head
+        return self.root_params + self.layers * self.block_params
 
 
-def _llama(name, hidden, layers, heads, ffn, vocab=32000, kv_heads=None, tied=False):
-    return Architecture(name, hidden, layers, heads, ffn, vocab, kv_heads=kv_heads, tied=tied)
+def _llama(name, hidden, layers, heads, ffn, vocab=32000, kv_heads=None, tied=False, **kw):
+    return Architecture(name, hidden, layers, heads, ffn, vocab, kv_heads=kv_heads, tied=tied,
+                        **kw)
 
 
 def _gpt2(name, hidden, layers, heads):
     return Architecture(
         name, hidden, layers, heads, 4 * hidden, 50257, tied=True, max_positions=1024,
-        gated_mlp=False, norm_bias=True, linear_bias=True,
+        gated_mlp=False, norm_bias=True, linear_bias=True, family="gpt",
+        gelu_tanh_unfused=True,
     )
 
 
@@ -108,13 +161,19 @@ PRESETS: dict[str, Architecture] = {
         _llama("llama3-8b", 4096, 32, 32, 14336, vocab=128256, kv_heads=8),
         _llama("llama3-70b", 8192, 80, 64, 28672, vocab=128256, kv_heads=8),
         _llama("mistral-7b", 4096, 32, 32, 14336, kv_heads=8),
+        # Qwen/Qwen2.5-7B and Qwen/Qwen3-8B, google/gemma-2-9b: their config.json files
+        _llama("qwen2.5-7b", 3584, 28, 28, 18944, vocab=152064, kv_heads=4, qkv_bias=True),
+        _llama("qwen3-8b", 4096, 36, 32, 12288, vocab=151936, kv_heads=8, head_dim=128,
+               qk_norm=True),
+        _llama("gemma2-9b", 3584, 42, 16, 14336, vocab=256000, kv_heads=8, head_dim=256,
+               tied=True, norms=4, family="gemma2"),
         _gpt2("gpt2", 768, 12, 12),
         _gpt2("gpt2-medium", 1024, 24, 16),
         _gpt2("gpt2-large", 1280, 36, 20),
         _gpt2("gpt2-xl", 1600, 48, 25),
         Architecture(
             "pythia-160m", 768, 12, 12, 3072, 50304, gated_mlp=False, norm_bias=True,
-            linear_bias=True,
+            linear_bias=True, family="neox",
         ),
     )
 }
@@ -130,72 +189,6 @@ def get_preset(name: str) -> Architecture:
         ) from None
 
 
-def _field(config: dict, path: str, *names: str, default=None):
-    """The first of ``names`` present in ``config``; without a default, missing is an error."""
-    for name in names:
-        if config.get(name) is not None:
-            return config[name]
-    if default is None:
-        kind = config.get("model_type")
-        raise ValueError(f"{path}: missing field {names[0]!r} (model_type {kind!r})")
-    return default
-
-
-def from_hf_config(path: str | Path) -> Architecture:
-    """Read a Hugging Face ``config.json`` of a llama-, mistral-, gpt2- or
-    gpt_neox-style model; a missing field is an error that names it."""
-    path = str(path)
-    config = read_json_object(path)
-    kind = config.get("model_type")
-    name = Path(path).parent.name or Path(path).stem
-    if kind in ("llama", "mistral", "qwen2", "qwen3"):
-        heads = _field(config, path, "num_attention_heads")
-        return Architecture(
-            name,
-            hidden=_field(config, path, "hidden_size"),
-            layers=_field(config, path, "num_hidden_layers"),
-            heads=heads,
-            ffn=_field(config, path, "intermediate_size"),
-            vocab=_field(config, path, "vocab_size"),
-            kv_heads=_field(config, path, "num_key_value_heads", default=heads),
-            head_dim=config.get("head_dim"),
-            tied=bool(config.get("tie_word_embeddings", False)),
-            linear_bias=bool(config.get("attention_bias", False)),
-        )
-    if kind == "gpt2":
-        hidden = _field(config, path, "n_embd", "hidden_size")
-        return Architecture(
-            name,
-            hidden=hidden,
-            layers=_field(config, path, "n_layer", "num_hidden_layers"),
-            heads=_field(config, path, "n_head", "num_attention_heads"),
-            ffn=config.get("n_inner") or 4 * hidden,
-            vocab=_field(config, path, "vocab_size"),
-            tied=bool(config.get("tie_word_embeddings", True)),
-            max_positions=_field(config, path, "n_positions", "max_position_embeddings"),
-            gated_mlp=False,
-            norm_bias=True,
-            linear_bias=True,
-        )
-    if kind == "gpt_neox":
-        return Architecture(
-            name,
-            hidden=_field(config, path, "hidden_size"),
-            layers=_field(config, path, "num_hidden_layers"),
-            heads=_field(config, path, "num_attention_heads"),
-            ffn=_field(config, path, "intermediate_size"),
-            vocab=_field(config, path, "vocab_size"),
-            tied=bool(config.get("tie_word_embeddings", False)),
-            gated_mlp=False,
-            norm_bias=True,
-            linear_bias=True,
-        )
-    raise ValueError(
-        f"{path}: model_type {kind!r} is not supported; expected one of "
-        "llama, mistral, qwen2, qwen3, gpt2, gpt_neox"
-    )
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """What the memory model needs: a parameter count and, for activations, shape."""
@@ -209,7 +202,11 @@ class ModelSpec:
     layers: int | None = None
     """Transformer blocks L."""
     heads: int | None = None
-    """Attention heads; only the no-checkpointing formula needs them."""
+    """Attention heads; only the no-flash-attention formula needs them."""
+    arch: Architecture | None = None
+    """The full architecture when known: the activation model of its family, the output
+    layer and loss, and the real root and block sizes. None (a bare count): the source
+    documents' Korthikanti et al. constants and units of P / L."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, int) or self.params <= 0:
@@ -221,7 +218,7 @@ class ModelSpec:
 
     @classmethod
     def from_arch(cls, arch: Architecture) -> ModelSpec:
-        return cls(arch.name, arch.params, arch.hidden, arch.layers, arch.heads)
+        return cls(arch.name, arch.params, arch.hidden, arch.layers, arch.heads, arch)
 
     @classmethod
     def from_module(cls, module, name: str | None = None) -> ModelSpec:
@@ -238,3 +235,16 @@ class ModelSpec:
     @property
     def activations_modelled(self) -> bool:
         return self.hidden is not None and self.layers is not None
+
+    @property
+    def block_params(self) -> int:
+        """One block's parameters; P / L for a bare count (embeddings spread over the
+        blocks), P for a model without layers."""
+        if self.arch is not None:
+            return self.arch.block_params
+        return -(-self.params // (self.layers or 1))
+
+    @property
+    def root_params(self) -> int:
+        """The root unit (embeddings, final norm, head); for a bare count, P / L."""
+        return self.arch.root_params if self.arch is not None else self.block_params

@@ -22,7 +22,8 @@ import os
 import sys
 
 from . import advice, render, timecmd
-from .arch import PRESETS, Architecture, ModelSpec, from_hf_config, get_preset
+from .arch import PRESETS, Architecture, ModelSpec, get_preset
+from .hfconfig import KINDS, from_hf_config
 from .memory import STRATEGIES, Workload, plan_all, stage_of
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 
@@ -35,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a preset (see --list-models); the default is llama2-7b")
     m.add_argument("--list-models", action="store_true", help="list the presets and exit")
     m.add_argument("--hf-config", metavar="PATH",
-                   help="a Hugging Face config.json (llama, mistral, qwen2, gpt2, gpt_neox)")
+                   help=f"a Hugging Face config.json ({', '.join(KINDS)})")
     m.add_argument("--params", type=int, metavar="N",
                    help="a bare parameter count; give --hidden and --layers to model activations")
     m.add_argument("--hidden", type=int, help="model width h")
@@ -63,9 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--seq-len", type=int, help="sequence length for the attention term "
                                                "(default: --tokens)")
     a.add_argument("--no-checkpointing", action="store_true",
-                   help="no activation checkpointing: Korthikanti et al.'s per-layer formula")
+                   help="no activation checkpointing: every block keeps its activations")
+    a.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="checkpoint every K-th block only (torchtitan's selective "
+                        "checkpointing by layer; default 1: every block)")
     a.add_argument("--flash-attention", action="store_true",
-                   help="with --no-checkpointing: attention scores are never stored")
+                   help="a flash kernel: the s×s attention probabilities are never stored, "
+                        "in the forward or in a checkpointed block's recompute")
 
     o = p.add_argument_group("output")
     o.add_argument("--strategy", help="show one strategy: DDP, ZeRO-1, ZeRO-2 or ZeRO-3")
@@ -146,10 +151,11 @@ def run(args) -> int:
     if args.list_models:
         render.models(PRESETS)
         return 0
-    for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", *_DIM_FLAGS):
+    for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", "checkpoint_every",
+                 *_DIM_FLAGS):
         _positive(name.replace("_", "-"), getattr(args, name))
-    if args.flash_attention and not args.no_checkpointing and not args.recommend:
-        raise ValueError("--flash-attention only applies with --no-checkpointing")
+    if args.checkpoint_every is not None and args.no_checkpointing:
+        raise ValueError("--checkpoint-every and --no-checkpointing contradict each other")
     timecmd.check(args)
     _writable("html", args.html)
     _writable("plot", args.plot)
@@ -157,7 +163,8 @@ def run(args) -> int:
     recipe = get_recipe(args.precision)
     if args.reduce_dtype:
         recipe = recipe.with_reduce_dtype(args.reduce_dtype)
-    work = Workload(args.tokens, args.seq_len, not args.no_checkpointing, args.flash_attention)
+    work = Workload(args.tokens, args.seq_len, not args.no_checkpointing, args.flash_attention,
+                    args.checkpoint_every or 1)
     unit = 2**30 if args.gib else 10**9
     budget = int(args.gpu_mem * unit)
     shown = [STRATEGIES[stage_of(args.strategy)]] if args.strategy else list(STRATEGIES)

@@ -12,11 +12,15 @@ DDP all-reduces the gradients; ZeRO-1/2 reduce-scatter them and all-gather the
 updated weights; ZeRO-3 gathers the weights twice (forward and backward), so it moves
 1.5× DDP's bytes when gradients and weights travel in the same dtype.
 
-Activations are not sharded (each rank runs its own micro-batch):
+Activations are not sharded (each rank runs its own micro-batch). With the
+architecture known they follow its family, output layer and loss included
+(``plan/activations.py``). For a bare count with a width and depth, the source
+documents' formula:
 
 - with activation checkpointing, the layer inputs plus one layer's recompute:
   ``tokens·h·(L + 17)·bytes`` — L inputs of ``tokens·h`` elements, and Korthikanti
-  et al.'s 34·tokens·h 16-bit bytes (= 17 elements) for the layer being recomputed;
+  et al.'s 34·tokens·h 16-bit bytes (= 17 elements) for the layer being recomputed,
+  plus ``5·a·s·tokens`` when the heads are known and no flash kernel is used;
 - without it, Korthikanti et al.'s per-layer ``tokens·h·(34 + 5·a·s/h)`` 16-bit bytes,
   or ``34·tokens·h`` when flash attention never stores the s×s scores.
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .activations import family_bytes, korthikanti_bytes
 from .arch import ModelSpec
 from .recipes import Recipe
 
@@ -58,9 +63,13 @@ class Workload:
     seq_len: int | None = None
     """Sequence length s for the attention term; None means ``tokens`` (batch 1)."""
     checkpointing: bool = True
-    """Activation checkpointing: keep layer inputs only, recompute in backward."""
+    """Activation checkpointing: keep block inputs only, recompute in backward."""
     flash_attention: bool = False
-    """Without checkpointing: attention scores are never stored (drops 5·a·s/h)."""
+    """Attention through a flash kernel: the s×s probabilities are never stored, in the
+    forward nor in a checkpointed block's recompute."""
+    checkpoint_every: int = 1
+    """With checkpointing: every k-th block is checkpointed, the others keep everything
+    (torchtitan's per-layer selective checkpointing); 1 is full checkpointing."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens <= 0:
@@ -72,6 +81,9 @@ class Workload:
                 raise ValueError(
                     f"tokens={self.tokens} is not a multiple of seq_len={self.seq_len}"
                 )
+        k = self.checkpoint_every
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"checkpoint_every={k!r} must be a positive integer")
 
 
 def dp_degree(gpus: int, tp: int = 1) -> int:
@@ -85,23 +97,20 @@ def dp_degree(gpus: int, tp: int = 1) -> int:
 
 def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
                      tp: int = 1) -> int | None:
-    """Activation bytes per GPU, or None when the model's shape is unknown."""
+    """Activation bytes per GPU at their peak (``plan/activations.py``): the family's
+    model when the architecture is known (output layer and loss included), else the
+    source documents' Korthikanti et al. constants; None when the shape is unknown."""
     if not model.activations_modelled:
         return None
-    h, layers, b = model.hidden, model.layers, recipe.activation_bytes
-    if work.checkpointing:
-        if tp == 1:
-            return work.tokens * h * (layers + 17) * b
-        # layer inputs stay whole; the recomputed layer is (10 + 24/K)/2 elements per token·h
-        return work.tokens * h * layers * b + _ceil_div(work.tokens * h * (5 * tp + 12) * b, tp)
-    # Korthikanti et al., eq. 2 (eq. 3 under TP), without the scores
-    per_layer_16bit = _ceil_div((10 * tp + 24) * work.tokens * h, tp)
-    if not work.flash_attention:
-        if model.heads is None:
-            return None
-        s = work.seq_len or work.tokens
-        per_layer_16bit += _ceil_div(5 * model.heads * s * work.tokens, tp)
-    return layers * per_layer_16bit * b // 2
+    b, seq = recipe.activation_bytes, work.seq_len or work.tokens
+    every = work.checkpoint_every if work.checkpointing else None
+    if model.arch is not None:
+        return family_bytes(model.arch, b, work.tokens, seq, work.flash_attention, every, tp)
+    if every not in (None, 1):
+        raise NotImplementedError("checkpointing every k-th block needs the architecture "
+                                  "(a preset, --hf-config or dimensions)")
+    return korthikanti_bytes(model.hidden, model.layers, model.heads, b, work.tokens, seq,
+                             work.flash_attention, work.checkpointing, tp)
 
 
 def tp_comm_bytes(model: ModelSpec, recipe: Recipe, work: Workload, tp: int) -> int:

@@ -36,21 +36,22 @@ const App = (() => {
     if (mode === "preset") {
       const p = DATA.presets[$("preset").value];
       return { name: p.name, params: BigInt(p.params), hidden: p.hidden, layers: p.layers,
-        heads: p.heads };
+        heads: p.heads, arch: p };
     }
     if (mode === "dims") {
       const arch = {
         hidden: integer("dim-hidden", "hidden"), layers: integer("dim-layers", "layers"),
         heads: integer("dim-heads", "heads"), kv_heads: integer("dim-kv-heads", "kv heads", true),
         ffn: integer("dim-ffn", "MLP width"), vocab: integer("dim-vocab", "vocabulary"),
-        tied: $("dim-tied").checked, gated_mlp: true, max_positions: 0,
+        tied: $("dim-tied").checked, gated_mlp: true, max_positions: 0, norms: 2,
+        family: "llama",
       };
       // arch.Architecture.__post_init__: the head width must divide evenly.
       if (arch.hidden % arch.heads) {
         throw new Error(`hidden=${arch.hidden} is not divisible by heads=${arch.heads}`);
       }
       return { name: "custom", params: Planner.archParams(arch), hidden: arch.hidden,
-        layers: arch.layers, heads: arch.heads };
+        layers: arch.layers, heads: arch.heads, arch };
     }
     return {
       name: bareName, params: BigInt(integer("bare-params", "parameters P")),

@@ -13,7 +13,8 @@ const Exercises = (() => {
 
   const preset = (name) => {
     const p = DATA.presets[name];
-    return { name, params: BigInt(p.params), hidden: p.hidden, layers: p.layers, heads: p.heads };
+    return { name, params: BigInt(p.params), hidden: p.hidden, layers: p.layers, heads: p.heads,
+      arch: p };
   };
   const budgetOf = (s, amount) => BigInt(Math.trunc(amount * s.unit)); // as command.run does
   const gb = (s, bytes) => `${Format.bytes(bytes, s.unit)} ${s.unitName}`;

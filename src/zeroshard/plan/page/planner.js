@@ -1,5 +1,5 @@
 // The planner's memory and communication model, ported function by function from
-// src/zeroshard/plan/memory.py, advice.py and arch.py (Architecture.params).
+// src/zeroshard/plan/memory.py, activations.py, advice.py and arch.py (Architecture.params).
 // Every byte count is a BigInt, so each figure is the same exact integer Python
 // computes; numbers become floating point only for drawing and formatting.
 // The page plans data parallelism alone: the Python functions with tp = 1.
@@ -14,26 +14,28 @@ const Planner = (() => {
   const ceilDiv = (a, b) => (a + b - 1n) / b;
   const big = (x) => (typeof x === "bigint" ? x : BigInt(x));
 
-  // arch.Architecture.params: embeddings, per-layer attention + MLP + norms (+ biases),
-  // the final norm and an untied head. Used only for custom dimensions; presets carry
-  // the count Python computed.
-  function archParams(a) {
-    const h = big(a.hidden), f = big(a.ffn);
-    const headDim = big(a.head_dim || Math.floor(a.hidden / a.heads));
-    const qWidth = big(a.heads) * headDim;
-    const kvWidth = big(a.kv_heads || a.heads) * headDim;
-    const attn = h * qWidth + 2n * h * kvWidth + qWidth * h;
-    const mlp = (a.gated_mlp ? 3n : 2n) * h * f;
-    const norm = h * (a.norm_bias ? 2n : 1n);
-    let perLayer = attn + mlp + 2n * norm;
-    if (a.linear_bias) {
-      perLayer += qWidth + 2n * kvWidth + h; // q, k, v and output-projection biases
-      perLayer += (a.gated_mlp ? 2n : 1n) * f + h; // MLP biases
-    }
-    const embed = big(a.vocab) * h + big(a.max_positions || 0) * h;
-    const head = a.tied ? 0n : big(a.vocab) * h;
-    return embed + big(a.layers) * perLayer + norm + head;
+  // arch.Architecture.block_params / root_params / params: per block attention
+  // h·q + 2·h·kv + q·h, the MLP, `norms` norms, Qwen3's q and k norms and the biases
+  // the family has; the root unit holds the embeddings, the final norm and an untied head.
+  const headDim = (a) => a.head_dim || Math.floor(a.hidden / a.heads);
+  const qWidth = (a) => a.heads * headDim(a);
+  const kvWidth = (a) => (a.kv_heads || a.heads) * headDim(a);
+  function blockParams(a) {
+    const h = big(a.hidden), f = big(a.ffn), q = big(qWidth(a)), kv = big(kvWidth(a));
+    let perLayer = h * q + 2n * h * kv + q * h + (a.gated_mlp ? 3n : 2n) * f * h;
+    perLayer += big(a.norms ?? 2) * h * (a.norm_bias ? 2n : 1n);
+    if (a.qk_norm) perLayer += 2n * big(headDim(a));
+    if (a.linear_bias || a.qkv_bias) perLayer += q + 2n * kv;
+    if (a.linear_bias || a.o_bias) perLayer += h;
+    if (a.linear_bias || a.mlp_bias) perLayer += (a.gated_mlp ? 2n : 1n) * f + h;
+    return perLayer;
   }
+  function rootParams(a) {
+    const h = big(a.hidden), v = big(a.vocab);
+    return (v + big(a.max_positions || 0)) * h + h * (a.norm_bias ? 2n : 1n)
+      + (a.tied ? 0n : v * h);
+  }
+  const archParams = (a) => rootParams(a) + big(a.layers) * blockParams(a);
 
   // memory.stage_of, for the names the page uses.
   function stageOf(strategy) {
@@ -42,21 +44,79 @@ const Planner = (() => {
     return stage;
   }
 
-  // memory.activation_bytes: checkpointing keeps L layer inputs plus one layer's
-  // recompute, tokens·h·(L + 17)·bytes; without it Korthikanti et al.'s per-layer
-  // 34·tokens·h (+ 5·a·s·tokens unless flash attention) 16-bit bytes.
+  // activations.py, per token: norms (LayerNorm's statistics; RMSNorm's fp32 input,
+  // rstd and normalised tensor; Gemma-2's fp32 normalised tensor), attention (flash: q,
+  // k, v, output, log-sum-exp; eager: q, k, v, output copy and the s×s probabilities),
+  // the MLP, and the output layer with the fp32 log-softmax of the loss.
+  const eagerSoftmax = (b) => 4n + (b < 4n ? b : 0n);
+  function norm(a, b, width, groups = 1n) {
+    if (a.norm_bias) return 2n * b * groups;
+    if (a.family === "gemma2") return 8n * width + 4n * groups;
+    return (4n + b) * width + 4n * groups;
+  }
+  function blockParts(a, b, seq, flash, batch) {
+    const h = big(a.hidden), f = big(a.ffn), q = big(qWidth(a)), kv = big(kvWidth(a));
+    const heads = big(a.heads), fam = a.family;
+    let norms;
+    if (fam === "gpt") norms = 2n * (b * h + norm(a, b, h) + b * h);
+    else if (fam === "neox") norms = b * h + 2n * (norm(a, b, h) + b * h);
+    else if (fam === "gemma2") norms = 4n * norm(a, b, h) + 2n * b * h;
+    else norms = 2n * (norm(a, b, h) + b * h);
+    if (a.qk_norm) norms += norm(a, b, q, heads) + norm(a, b, kv, big(a.kv_heads || a.heads));
+    let attn;
+    if (flash) {
+      const lse = 4n * heads;
+      if (fam === "gpt") attn = 4n * b * q + lse;
+      else if (fam === "neox") attn = 7n * b * q + lse;
+      else attn = b * (2n * q + 2n * kv) + lse;
+    } else {
+      let probs = heads * seq * (fam === "gpt" ? b : eagerSoftmax(b));
+      if (fam === "gemma2") probs += heads * seq * b;
+      attn = 4n * b * q + probs;
+      if (fam === "neox" && batch === 1n) attn += 2n * b * q;
+    }
+    let mlp = (a.gated_mlp ? 4n : 2n) * b * f;
+    if (a.gelu_tanh_unfused) mlp += 3n * b * f;
+    return [norms, attn + mlp];
+  }
+  function headBytes(a, b) {
+    const h = big(a.hidden), v = big(a.vocab);
+    const n = norm(a, b, h) + b * h + (a.norm_bias ? b * h : 0n);
+    return n + (a.family === "gemma2" ? b * v : 0n) + 4n * v + 16n;
+  }
+  // activations.family_bytes with checkpoint_every = 1 (the page's checkpointing).
+  function familyBytes(a, b, tokens, seq, flash, checkpointing) {
+    const [replicated, split] = blockParts(a, b, seq, flash, tokens / seq);
+    const block = tokens * (replicated + split);
+    const head = tokens * headBytes(a, b);
+    const layers = big(a.layers);
+    if (!checkpointing) return layers * block + head;
+    return layers * tokens * b * big(a.hidden) + (head > block ? head : block);
+  }
+
+  // memory.activation_bytes: the family's model when the architecture is known, else
+  // activations.korthikanti_bytes: checkpointing keeps L layer inputs plus one layer's
+  // recompute, tokens·h·L·bytes + 34·tokens·h 16-bit bytes (+ 5·a·s·tokens unless
+  // flash attention, when the heads are known); without it L such layers.
   function activationBytes(model, recipe, work) {
     if (model.hidden == null || model.layers == null) return null;
-    const h = big(model.hidden), layers = big(model.layers);
     const b = big(recipe.activation_bytes), tokens = big(work.tokens);
-    if (work.checkpointing) return tokens * h * (layers + 17n) * b;
+    const seq = big(work.seq_len || work.tokens);
+    if (model.arch) {
+      return familyBytes(model.arch, b, tokens, seq, work.flash_attention,
+        work.checkpointing);
+    }
+    const h = big(model.hidden), layers = big(model.layers);
     let perLayer16bit = 34n * tokens * h;
     if (!work.flash_attention) {
-      if (model.heads == null) return null;
-      const s = big(work.seq_len || work.tokens);
-      perLayer16bit += 5n * big(model.heads) * s * tokens;
+      if (model.heads == null) {
+        if (!work.checkpointing) return null;
+      } else {
+        perLayer16bit += 5n * big(model.heads) * seq * tokens;
+      }
     }
-    return (layers * perLayer16bit * b) / 2n;
+    if (!work.checkpointing) return (layers * perLayer16bit * b) / 2n;
+    return tokens * h * layers * b + (perLayer16bit * b) / 2n;
   }
 
   // memory.ring_all_reduce: 2(N-1)/N·t bytes sent per rank.
@@ -147,7 +207,7 @@ const Planner = (() => {
   const firstFit = (plans) => (plans.find((p) => p.fits) || { strategy: null }).strategy;
 
   return {
-    STRATEGIES, archParams, stageOf, activationBytes, ringAllReduce, ringOneWay,
+    STRATEGIES, archParams, blockParams, rootParams, stageOf, activationBytes, ringAllReduce, ringOneWay,
     modelStateBytes, commBytes, planStrategy, planAll, floorBytes, gpuCounts, minGpus,
     firstFit,
   };

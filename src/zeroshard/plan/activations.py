@@ -1,0 +1,151 @@
+"""Activations: the bytes autograd saves for backward, per architecture family.
+
+Counted per token as the engine's profiler counts them (every tensor autograd saves, its
+storage once, from the moment it is saved until backward unpacks it), with b the bytes
+of the activation dtype, h the width, f the MLP width, q = heads·head_dim, kv =
+kv_heads·head_dim, a heads and s the sequence length. Each family is written as its
+Hugging Face implementation runs (transformers 5; the built-in GPT is the "gpt" family):
+
+- **LayerNorm** saves its input, mean and rstd (2 of dtype b) and the next linear its
+  output: ``2·b·h + 2·b`` (the input may already be counted).
+- **RMSNorm** (Llama, Qwen, Mistral) upcasts to fp32: the fp32 input (4h), rstd (4),
+  the normalised tensor back in b (``b·h``) and its output ``b·h`` saved by the next
+  linear: ``(4 + 2b)·h + 4``. Gemma-2's multiplies by ``1 + weight`` in fp32, so it keeps
+  the fp32 normalised tensor: ``8h + 4``, plus ``b·h`` where a linear follows.
+- **Attention with flash** (``scaled_dot_product_attention``'s flash kernel) saves q,
+  k, v, its output and the fp32 log-sum-exp per head, ``4a``; GPT-2's and NeoX's fused
+  qkv projection keep its whole ``3q`` storage alive through the v view.
+- **Attention without flash** (transformers' eager path): q, k and v (k and v repeated
+  to q's width under grouped-query attention), the s×s probabilities and the output
+  copy for the output projection; Llama, NeoX and Gemma-2 take the softmax in fp32 and
+  cast it back, keeping both (``a·s·(4 + b)`` per token, ``4·a·s`` in fp32), GPT-2 in
+  its dtype (``a·s·b``); Gemma-2's soft-capping keeps its tanh (``a·s·b``) too.
+- **MLP**: GELU keeps fc's output and its own (``2·b·f``; GPT-2's ``gelu_new``, written
+  as separate operations, three more); SwiGLU/GeGLU gate, activation, up and product
+  (``4·b·f``).
+- **Output layer and loss**: the final norm, the fp32 log-softmax over the vocabulary
+  (``4V``: the loss upcasts the logits, cross-entropy keeps its log-softmax), the labels
+  (int64, 8) and Gemma-2's logit soft-capping (``b·V``); the input ids (8).
+
+Dropout is taken as off (p = 0, as Llama-family models train and most fine-tuning runs;
+each active dropout adds a mask per element it touches). Measured on CPU with the
+profiler for every family at two sequence lengths and two micro-batches, fp32 and bf16,
+flash and eager, in ``tests/test_plan_activations.py`` (within 2 %).
+
+Checkpointing (``Workload.checkpoint_every`` k; torchtitan's per-layer selective
+activation checkpointing, ``selective_ac_option = k``): every k-th block keeps only its
+input (``b·h``) and the others everything; during backward one checkpointed block is
+recomputed at a time, after the output layer's tensors are gone. k = 1 is full
+checkpointing, the source documents' ``L·b·h`` inputs plus one layer's recompute.
+
+A bare parameter count (no family) keeps Korthikanti et al.'s constants, as the source
+documents write them: ``34·t·h`` 16-bit bytes per layer plus ``5·a·s·t`` without flash.
+"""
+
+from __future__ import annotations
+
+from .arch import Architecture
+
+#: Bytes per token of the int64 input ids the embedding keeps, and of the loss's labels.
+INDEX_BYTES = 8
+
+
+def _eager_softmax(b: int) -> int:
+    """Bytes per s×s element of transformers' fp32 softmax and its cast back to b."""
+    return 4 + (b if b < 4 else 0)
+
+
+def _norm(arch: Architecture, b: int, width: int, groups: int = 1) -> int:
+    """One norm of ``width`` elements (``groups`` statistics), without its output."""
+    if arch.norm_bias:  # LayerNorm: mean and rstd in the activation dtype
+        return 2 * b * groups
+    if arch.family == "gemma2":
+        return 8 * width + 4 * groups
+    return (4 + b) * width + 4 * groups
+
+
+def block_parts(arch: Architecture, b: int, seq: int, flash: bool,
+                batch: int = 2) -> tuple[int, int]:
+    """(replicated, split) bytes per token of one block of ``batch`` sequences: the
+    norms and the block input, which tensor parallelism replicates, and attention and
+    MLP, which it splits."""
+    h, f, q, kv, a = arch.hidden, arch.ffn, arch.q_width, arch.kv_width, arch.heads
+    fam = arch.family
+    if fam == "gpt":  # the block input and the residual before ln2: two LayerNorm inputs
+        norms = 2 * (b * h + _norm(arch, b, h) + b * h)
+    elif fam == "neox":  # one input feeds both LayerNorms (parallel residual)
+        norms = b * h + 2 * (_norm(arch, b, h) + b * h)
+    elif fam == "gemma2":  # four norms, two feeding a linear
+        norms = 4 * _norm(arch, b, h) + 2 * b * h
+    else:
+        norms = 2 * (_norm(arch, b, h) + b * h)
+    if arch.qk_norm:
+        norms += _norm(arch, b, q, a) + _norm(arch, b, kv, arch.kv_heads or a)
+    if flash:
+        lse = 4 * a
+        if fam == "gpt":
+            attn = 3 * b * q + b * q + lse  # the fused qkv storage; the output
+        elif fam == "neox":
+            attn = 2 * b * q + 3 * b * q + 2 * b * q + lse  # rotated q, k; qkv; output, copy
+        else:
+            attn = b * (2 * q + 2 * kv) + lse
+    else:
+        probs = a * seq * (b if fam == "gpt" else _eager_softmax(b))
+        if fam == "gemma2":
+            probs += a * seq * b  # the soft-cap's tanh
+        attn = 4 * b * q + probs
+        if fam == "neox" and batch == 1:  # v stays a view of the fused qkv output
+            attn += 2 * b * q
+    mlp = (4 if arch.gated_mlp else 2) * b * f
+    if arch.gelu_tanh_unfused:
+        mlp += 3 * b * f
+    return norms, attn + mlp
+
+
+def head_bytes(arch: Architecture, b: int) -> int:
+    """Bytes per token of the final norm, the output layer and the loss, and the
+    embedding's input ids."""
+    h, v = arch.hidden, arch.vocab
+    norm = _norm(arch, b, h) + b * h + (b * h if arch.norm_bias else 0)
+    softcap = b * v if arch.family == "gemma2" else 0
+    return norm + softcap + 4 * v + INDEX_BYTES + INDEX_BYTES
+
+
+def loss_backward_bytes(arch: Architecture, b: int) -> int:
+    """Bytes per token alive beside the saved tensors while the loss runs backward:
+    the dense fp32 gradient of the log-softmax output (from the loss) and of the logits
+    (from the log-softmax), and its cast to b for the head. Autograd's own gradients,
+    which the profiler's saved-tensor count does not see."""
+    return (8 + b) * arch.vocab
+
+
+def family_bytes(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
+                 checkpoint_every: int | None, tp: int = 1) -> int:
+    """Peak saved bytes of a micro-batch of ``tokens`` tokens (sequences of ``seq``):
+    every block, or with checkpointing every k-th block's input and one recomputed
+    block, and the output layer and loss."""
+    replicated, split = block_parts(arch, b, seq, flash, tokens // seq)
+    block = tokens * replicated + -(-tokens * split // tp)
+    head = tokens * head_bytes(arch, b)
+    if checkpoint_every is None:
+        return arch.layers * block + head
+    kept = arch.layers // checkpoint_every
+    stored = (arch.layers - kept) * block + kept * tokens * b * arch.hidden
+    return stored + max(head, block)
+
+
+def korthikanti_bytes(hidden: int, layers: int, heads: int | None, b: int, tokens: int,
+                      seq: int, flash: bool, checkpointing: bool, tp: int = 1) -> int | None:
+    """The source documents' formula for a bare count: per layer ``t·h·(10 + 24/K)``
+    16-bit bytes plus ``5·a·s·t/K`` without flash (Korthikanti et al., 2022, eq. 3);
+    with checkpointing the L layer inputs plus one layer's recompute."""
+    per_layer_16bit = -(-(10 * tp + 24) * tokens * hidden // tp)
+    if not flash:
+        if heads is None:
+            if not checkpointing:
+                return None
+        else:
+            per_layer_16bit += -(-5 * heads * seq * tokens // tp)
+    if not checkpointing:
+        return layers * per_layer_16bit * b // 2
+    return tokens * hidden * layers * b + per_layer_16bit * b // 2
