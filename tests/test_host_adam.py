@@ -183,6 +183,10 @@ def test_bad_groups_params_and_outputs_are_named():
         o.set_cast_output(params[0], torch.empty(params[0].shape))
     with pytest.raises(ValueError, match=r"\(3,\).*shape \(129, 33\)"):
         o.set_cast_output(params[0], torch.empty(3, dtype=torch.bfloat16))
+    params[0].grad_dtype = None  # torch refuses a bf16 grad on an fp32 tensor otherwise
+    params[0].grad = torch.zeros(SHAPES[0], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"gradient is torch\.bfloat16.*accepted: .*float32"):
+        o.step()
     with pytest.raises(ValueError, match="not in this optimizer"):
         o.set_cast_output(params[3], torch.empty(SHAPES[3], dtype=torch.bfloat16))
 

@@ -195,6 +195,10 @@ class HostAdamW(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise NotImplementedError("HostAdamW: sparse gradients are not supported")
+                if p.grad.dtype != p.dtype or p.grad.device != p.device:
+                    raise ValueError(f"HostAdamW: a gradient is {p.grad.dtype} on "
+                                     f"{p.grad.device}; accepted: the parameter's "
+                                     f"{p.dtype} on {p.device} (upcast it into p.grad)")
                 state = self._state(p)
                 for lst, t in zip(lists, (p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                                           state["step"])):
