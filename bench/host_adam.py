@@ -10,8 +10,8 @@ The bandwidth limit. Per parameter AdamW reads the fp32 weight, gradient and bot
 and nothing else need move, so no implementation can step more than ``bandwidth / 28``
 parameters per second. With the bf16 cast it also writes 2 bytes per parameter: 30 bytes.
 The bandwidth is measured here, in every round beside the contenders, by two in-place
-stream kernels over 256 MB tensors, ``a.add_(b)`` (reads 8, writes 4 bytes per element)
-and ``a.addcmul_(b, c)`` (reads 12, writes 4), and is the faster of their medians. Both
+stream kernels over 256 MB tensors (``--probe-mb``), ``a.add_(b)`` (reads 8, writes 4
+bytes per element) and ``a.addcmul_(b, c)`` (reads 12, writes 4): the faster median. Both
 write in place, as Adam does; a copy into another buffer would also pay the read for
 ownership of its destination, which no byte count sees, and under-report. So the limit is
 what a simple torch kernel reaches on this machine, not a datasheet peak, and a kernel
@@ -49,7 +49,7 @@ from zeroshard.offload import HostAdamW
 
 BYTES_STEP = 28  # read p, g, m, v (16) + write p, m, v (12), all fp32
 BYTES_CAST = 30  # + the bf16 weight written
-PROBE = 64 * 2**20  # elements per bandwidth-probe tensor (256 MB each, 768 MB in all)
+PROBE_MB = 256  # size of each bandwidth-probe tensor (three of them)
 HIDDEN = 1024
 LR, WD = 1e-3, 1e-2
 
@@ -112,7 +112,8 @@ def contenders(params: list[torch.nn.Parameter], m: list[torch.Tensor],
     return steps
 
 
-def block(n: int, threads: int, rounds: int, ds_cls: type | None) -> dict:
+def block(n: int, threads: int, rounds: int, ds_cls: type | None,
+          probe_mb: int = PROBE_MB) -> dict:
     """Interleaved rounds at one size and thread count; medians and paired ratios."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -123,7 +124,8 @@ def block(n: int, threads: int, rounds: int, ds_cls: type | None) -> dict:
     v = [torch.zeros_like(p) for p in params]
     outs = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
     steps = contenders(params, m, v, outs, ds_cls)
-    a, b, c = torch.ones(PROBE), torch.zeros(PROBE), torch.zeros(PROBE)
+    probe = probe_mb * 2**20 // 4
+    a, b, c = torch.ones(probe), torch.zeros(probe), torch.zeros(probe)
     probes = {"probe add_": (lambda: a.add_(b), 12),
               "probe addcmul_": (lambda: a.addcmul_(b, c), 16)}
     steps.update({k: f for k, (f, _) in probes.items()})
@@ -139,7 +141,7 @@ def block(n: int, threads: int, rounds: int, ds_cls: type | None) -> dict:
             steps[name]()
             times[name].append(time.perf_counter() - t0)
     load.append(os.getloadavg()[0])
-    bws = {k: nbytes * PROBE / statistics.median(times.pop(k)) / 1e9
+    bws = {k: nbytes * probe / statistics.median(times.pop(k)) / 1e9
            for k, (_, nbytes) in probes.items()}
     bw = max(bws.values())
     res = {"params": n, "threads": threads, "tensors": len(params), "rounds": rounds,
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--probe-mb", type=int, default=PROBE_MB,
+                    help="MB per bandwidth-probe tensor; keep it well above the caches")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     console = Console(width=110)
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for size in (float(s) for s in args.sizes.split(",")):
         for threads in (int(t) for t in args.threads.split(",")):
-            res = block(int(size * 1e6), threads, args.rounds, ds_cls)
+            res = block(int(size * 1e6), threads, args.rounds, ds_cls, args.probe_mb)
             res["verdict"] = verdict(res)
             show(console, res)
             results.append(res)
