@@ -111,12 +111,13 @@ def head_bytes(arch: Architecture, b: int) -> int:
     return norm + softcap + 4 * v + INDEX_BYTES + INDEX_BYTES
 
 
-def loss_backward_bytes(arch: Architecture, b: int) -> int:
-    """Bytes per token alive beside the saved tensors while the loss runs backward:
-    the dense fp32 gradient of the log-softmax output (from the loss) and of the logits
-    (from the log-softmax), and its cast to b for the head. Autograd's own gradients,
-    which the profiler's saved-tensor count does not see."""
-    return (8 + b) * arch.vocab
+def loss_backward_bytes(arch: Architecture) -> int:
+    """Bytes per token alive beside the saved tensors while the loss runs backward: the
+    dense fp32 gradient of the log-softmax output (from the loss) and of the logits
+    (from the log-softmax's backward), ``8V``; the cast of the latter to the head's
+    dtype comes after the first is freed. Autograd's own gradients, which the
+    profiler's saved-tensor count does not see."""
+    return 8 * arch.vocab
 
 
 def family_bytes(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,

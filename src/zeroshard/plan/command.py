@@ -25,6 +25,7 @@ from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hfconfig import KINDS, from_hf_config
 from .memory import STRATEGIES, Workload, plan_all, stage_of
+from .peak import peak
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 
 _DIM_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
@@ -197,6 +198,9 @@ def run(args) -> int:
     if tp > 1 and args.min_gpus:
         raise ValueError(f"--min-gpus searches data-parallel GPU counts only; drop --tp={tp}")
     plans = plan_all(model, args.gpus, recipe, work, budget, tp)
+    prefetch = 1 if args.prefetch is None else args.prefetch
+    peaks = [peak(model, recipe, work, args.gpus, s, prefetch, args.blocks_per_unit, tp)
+             for s in range(4)]
     times = timecmd.run_time(args, model, recipe, work) if args.time else None
     fit = advice.first_fit(plans)
     if args.gpu_step is not None and not args.min_gpus:
@@ -212,7 +216,8 @@ def run(args) -> int:
             "model": model.name, "params": model.params, "gpus": args.gpus,
             "recipe": recipe.name, "tokens": work.tokens, "budget": budget,
             "first_fit": fit,
-            "strategies": [p.as_dict() for p in plans if p.strategy in shown],
+            "strategies": [{**p.as_dict(), "peak": q.as_dict()}
+                           for p, q in zip(plans, peaks) if p.strategy in shown],
         }
         if mins is not None:
             out["min_gpus"] = [m.as_dict() for m in mins if m.strategy in shown]
@@ -225,6 +230,10 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         render.plan_table(model, recipe, work, args.gpus, budget, plans, shown, unit, args.gib)
+        render.line("peak per GPU (the largest of the loss's backward, a unit's backward "
+                    "and the optimizer step): " + "; ".join(
+                        f"{p.strategy} {q.bytes / unit:.2f} at the {q.moment}"
+                        for p, q in zip(plans, peaks) if p.strategy in shown))
         if fit is None:
             render.line(advice.why_none_fits(model, recipe, args.gpus, budget, work))
         else:

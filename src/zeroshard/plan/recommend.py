@@ -5,9 +5,11 @@ stage-3 prefetch depth (0, 1, 2) and activation checkpointing is given the large
 micro-batch that fits; the survivors are ranked by the step-time model. The source
 documents' stage-selection guide is encoded as rules on top of that ranking:
 
-- **fits with headroom**: persistent state, activations and the transient buffers of
-  the largest unit (``memory.transient_bytes``) stay within the budget less
-  :data:`HEADROOM` (the first source document: leave 10–20 % for fragmentation);
+- **fits with headroom**: the planned peak (``peak.peak``: the loss's backward with
+  every activation and the logits' gradients, the largest unit's backward — the root
+  unit's or a block group's — and the optimizer step with its fp32 gradient copies and
+  temporaries) stays within the budget less :data:`HEADROOM` (the first source
+  document: leave 10–20 % for fragmentation);
 - **lowest stage first**: DDP if it fits, else ZeRO-1 or 2 (same traffic as DDP), else
   ZeRO-3 — a higher stage, deeper prefetch, larger TP degree or checkpointing is chosen
   only when it is more than :data:`TIE` faster than the simpler configuration;
@@ -25,10 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .advice import min_gpus
+from .advice import gpu_counts
 from .arch import ModelSpec
 from .hardware import Cluster
-from .memory import STRATEGIES, Workload, plan_strategy, transient_bytes
+from .memory import STRATEGIES, Workload
+from .peak import peak
 from .recipes import Recipe
 from .steptime import Schedule, StepTime, step_time
 
@@ -109,12 +112,10 @@ def _divisors_desc(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def _memory(model, recipe, gpus, tp, stage, work, blocks, prefetch) -> int:
-    plan = plan_strategy(model, gpus, recipe, stage, work, tp=tp)
-    units = -(-model.layers // blocks)
-    unit = -(-model.params // (tp * units))
-    extra = transient_bytes(recipe, stage, gpus // tp, unit, prefetch)
-    return plan.total + sum(extra.values())
+def _memory(model, recipe, gpus, tp, stage, work, blocks, prefetch, micro_batches=1) -> int:
+    """The planned peak (``peak.peak``): the loss's backward with its logits' gradients,
+    a unit's backward with the root unit's or a block group's transients, the step."""
+    return peak(model, recipe, work, gpus, stage, prefetch, blocks, tp, micro_batches).bytes
 
 
 def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
@@ -144,9 +145,9 @@ def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cl
                         continue
                     for depth in depths:
                         for micro in _divisors_desc(per_rank):
-                            work = Workload(micro * seq_len, seq_len, ckpt,
-                                            flash_attention and not ckpt)
-                            mem = _memory(model, recipe, gpus, k, stage, work, blocks, depth)
+                            work = Workload(micro * seq_len, seq_len, ckpt, flash_attention)
+                            mem = _memory(model, recipe, gpus, k, stage, work, blocks, depth,
+                                          per_rank // micro)
                             need[stage] = min(need.get(stage, mem), mem)
                             if mem <= limit:
                                 sched = Schedule(stage, blocks, depth, per_rank // micro, k)
@@ -230,17 +231,18 @@ def _reasons(best: Candidate, found, need, tps, limit, global_batch, seq_len,
 
 
 def hybrid_note(model, recipe, gpus, cluster, best: Candidate, seq_len: int,
-                limit: int) -> str | None:
+                limit: int, flash_attention: bool = False) -> str | None:
     """When ZeRO-3 spans nodes: the smallest shard group whose ZeRO-3 memory fits (the
     first source document: shard within a group, replicate across groups, and size the
     group so that 16P/N_group fits)."""
     if best.stage != 3 or gpus <= cluster.gpus_per_node:
         return None
     dp = gpus // best.tp
-    work = Workload(best.micro_batch * seq_len, seq_len, best.checkpointing)
+    work = Workload(best.micro_batch * seq_len, seq_len, best.checkpointing,
+                    flash_attention)
     for group in (g for g in range(1, dp) if dp % g == 0):  # a proper subgroup
         mem = _memory(model, recipe, group * best.tp, best.tp, 3, work, best.blocks_per_unit,
-                      best.prefetch)
+                      best.prefetch, best.accumulation)
         if mem <= limit:
             span = group * best.tp
             where = ("inside one node" if span <= cluster.gpus_per_node else
@@ -249,6 +251,20 @@ def hybrid_note(model, recipe, gpus, cluster, best: Candidate, seq_len: int,
                     f"would need {_gb(mem)}, its gathers {where}, replicas all-reducing "
                     "gradients across groups")
     return None
+
+
+def _fewest_gpus(model, recipe, limit: int, work: Workload) -> int | None:
+    """The fewest whole 8-GPU nodes (or 1) at which ZeRO-3's planned peak with
+    ``work`` fits ``limit``; the peak never grows with N, so a binary search."""
+    counts = gpu_counts(8)
+    fits = lambda i: peak(model, recipe, work, counts[i], 3).bytes <= limit  # noqa: E731
+    if not fits(len(counts) - 1):
+        return None
+    lo, hi = 0, len(counts) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return counts[lo]
 
 
 def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
@@ -270,12 +286,13 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
         raise ValueError(f"global batch of {global_batch} sequences does not divide over "
                          f"{' or '.join(map(str, dps))} data-parallel ranks")
     if not found:
-        fewest = min_gpus(model, recipe, 3, limit, Workload(seq_len, seq_len), step=8)
+        fewest = _fewest_gpus(model, recipe, limit, Workload(seq_len, seq_len, True,
+                                                             flash_attention))
         why = (f"nothing fits {_gb(limit)} per GPU ({headroom:.0%} headroom) on {gpus} "
                f"GPUs: even ZeRO-3 with checkpointing and one sequence needs "
                f"{_gb(need.get(3, 0))}; " + (
-                   f"ZeRO-3 state and activations fit from {fewest.gpus} GPUs"
-                   if fewest.gpus else "no GPU count fits; shorten the sequences")
+                   f"its peak fits from {fewest} GPUs"
+                   if fewest else "no GPU count fits; shorten the sequences")
                + (" (--headroom sets the share left free)" if headroom else ""))
         return Recommendation(None, {"none": why}, (), budget, headroom)
     best = choose(found)
@@ -285,7 +302,7 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
     for c in sorted(found, key=lambda c: (c.time.step, c.key)):
         if group(c) != group(best):
             heads.setdefault(group(c), c)
-    note = hybrid_note(model, recipe, gpus, cluster, best, seq_len, limit)
+    note = hybrid_note(model, recipe, gpus, cluster, best, seq_len, limit, flash_attention)
     return Recommendation(best, _reasons(best, found, need, tps, limit, global_batch, seq_len,
                                          headroom),
                           tuple(list(heads.values())[:runners_up]), budget, headroom,
