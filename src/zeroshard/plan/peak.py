@@ -1,7 +1,7 @@
 """The peak per GPU: the largest of the moments a training step passes through.
 
 The plan's ``total`` (persistent state plus activations) is the source documents'
-figure. What a GPU must hold is the largest of three moments (each byte term integer):
+figure. What a GPU must hold is the largest of these moments (each byte term integer):
 
 1. **the loss's backward**: persistent state (gradients only when accumulating: the
    step's first backward starts after ``zero_grad``), every activation of the
@@ -9,11 +9,12 @@ figure. What a GPU must hold is the largest of three moments (each byte term int
    autograd's dense gradients of the fp32 logits (``activations.loss_backward_bytes``),
    and at stage 3 the root unit gathered (embeddings and head, used last in forward and
    first in backward) with the next ``prefetch`` blocks arriving;
-2. **the backward of a unit**: persistent state with the gradients, the activations
-   still saved (all but the output layer's), and the unit's transients
-   (``memory.transient_bytes``: gathered weights, its full gradients and reduction
-   buffers), for the largest unit — the root unit (``ModelSpec.root_params``: for
-   Llama-3-8B 1.05 B parameters, 4.2× P / L) or a group of blocks;
+2. **the backward of a unit**: gradients grow as activations are freed, so the
+   largest is at one end — right after the root unit's backward (its gradients, every
+   block's activations, its transients, ``memory.transient_bytes``: gathered weights,
+   full gradients, reduction buffers; the root unit is ``ModelSpec.root_params``, for
+   Llama-3-8B 1.05 B parameters, 4.2× P / L) or at the end of backward (every
+   gradient, the last block unit's transients);
 3. **the optimizer step**: persistent state, the fp32 copy of the owned gradients when
    the master is fp32 and the gradients are not (the engine's ``step_grads``;
    DeepSpeed's estimator counts the same 4 bytes, its 18P/N at stage 2), and the
@@ -60,8 +61,12 @@ class Peak:
     """Autograd's gradients of the fp32 logits while the loss runs backward."""
     root_gathered: int
     """Stage 3 at the loss's backward: the root unit and ``prefetch`` blocks arriving."""
+    root_transients: int
+    """The root unit's backward transients (``memory.transient_bytes``)."""
+    root_grads: int
+    """The root unit's share of the gradients, held once its backward is done."""
     unit_transients: int
-    """The largest unit's backward transients (``memory.transient_bytes``)."""
+    """The last block unit's backward transients, when every gradient is held."""
     step_grads: int
     """fp32 copies of the owned gradients at the optimizer step."""
     optimizer_temporaries: int
@@ -77,8 +82,9 @@ class Peak:
         return {
             "loss backward": held + during + self.activations + self.loss_backward
             + self.root_gathered,
-            "unit backward": held + self.grads + self.activations - self.head_activations
-            + self.unit_transients,
+            "unit backward": held + during + self.root_grads + self.activations
+            - self.head_activations + self.root_transients,
+            "backward end": held + self.grads + self.unit_transients,
             "optimizer step": held + self.grads + self.step_grads
             + self.optimizer_temporaries,
         }
@@ -99,16 +105,17 @@ class Peak:
         """The peak as the engine's profiler sees it: without autograd's gradients and
         the optimizer's temporaries."""
         held = self.weights + self.optimizer
-        return max(held + (self.grads if self.accumulating else 0) + self.activations
-                   + self.root_gathered,
-                   held + self.grads + self.activations - self.head_activations
-                   + self.unit_transients,
+        during = self.grads if self.accumulating else 0
+        phases = self.phases
+        return max(held + during + self.activations + self.root_gathered,
+                   phases["unit backward"], phases["backward end"],
                    held + self.grads + self.step_grads)
 
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in (
             "weights", "grads", "optimizer", "activations", "head_activations",
-            "loss_backward", "root_gathered", "unit_transients", "step_grads",
+            "loss_backward", "root_gathered", "root_transients", "root_grads",
+            "unit_transients", "step_grads",
             "optimizer_temporaries", "accumulating")}
         return {**out, "phases": self.phases, "peak": self.bytes, "moment": self.moment}
 
@@ -144,8 +151,9 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     gathered = 0
     if stage == 3:
         gathered = (root + prefetch * block) * recipe.weight_bytes
-    unit = max(root, block)
-    transients = sum(transient_bytes(recipe, stage, dp, unit, prefetch).values())
+    root_transients = sum(transient_bytes(recipe, stage, dp, root, prefetch).values())
+    transients = sum(transient_bytes(recipe, stage, dp, block, prefetch).values())
+    root_grads = grads * root // max(1, _ceil_div(model.params, tp))
     owned = _ceil_div(model.params, tp) if stage == 0 else _ceil_div(model.params, tp * dp)
     step_grads = owned * recipe.master_bytes if (
         recipe.master_bytes and recipe.master_dtype != recipe.grad_dtype) else 0
@@ -154,5 +162,5 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     largest = max(root, block) if stage == 0 else _ceil_div(max(root, block), dp)
     temporaries = {"foreach": owned * per_state, "fused": 0,
                    "for-loop": largest * per_state}[optimizer_impl]
-    return Peak(weights, grads, optimizer, acts, head, loss, gathered, transients,
-                step_grads, temporaries, micro_batches > 1)
+    return Peak(weights, grads, optimizer, acts, head, loss, gathered, root_transients,
+                root_grads, transients, step_grads, temporaries, micro_batches > 1)
