@@ -55,7 +55,9 @@ def test_collectives_match_torch_n4(grid):
             assert all(r[(group, dtype)].values()), (group, dtype, r[(group, dtype)])
         ledger = r[(group, "ledger")]
         n = 2 if group == "half" else 4
-        assert set(ledger) == {"reduce_scatter", "all_gather"}, ledger
+        assert set(ledger) == {"reduce_scatter", "all_gather", "check"}, ledger
+        # each collective's fingerprint: 7 int64 from each of n ranks, (n-1)/n of it sent
+        assert ledger["check"] == {"calls": 8, "bytes": 8 * 56 * (n - 1)}, ledger
         assert ledger["reduce_scatter"]["calls"] == 4 and ledger["all_gather"]["calls"] == 4
         # per dtype: two reduce-scatters of N·1001 elements, two all-gathers of N·999
         assert ledger["reduce_scatter"]["bytes"] == 2 * (n - 1) * 1001 * (4 + 2)

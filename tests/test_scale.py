@@ -195,21 +195,24 @@ def expected_comm(model: str, world: int, stage: int, recipe) -> dict[str, dict[
     """One step's collectives in ring accounting: per unit, one reduction of its N padded
     gradient slots plus one presence flag per parameter in each slot, and (stages 1-2)
     one all-gather of the updated weights or (stage 3) two of the weights, forward and
-    backward, each after a check that every rank gathers the same unit."""
+    backward; each collective after its fingerprint."""
     units = units_of(model)
     rb, wb, n = recipe.reduce_bytes, recipe.weight_bytes, world
     reduce = [rb * n * (slot_numel(u, n) + len(u)) for u in units]
     gather = [wb * n * slot_numel(u, n) for u in units]
     if stage == 0:
-        return {"all_reduce": {"calls": len(units),
-                               "bytes": sum(ring_all_reduce(t, n) for t in reduce)}}
-    gathers = 2 if stage == 3 else 1
-    out = {"reduce_scatter": {"calls": len(units),
-                              "bytes": sum(ring_one_way(t, n) for t in reduce)},
-           "all_gather": {"calls": gathers * len(units),
-                          "bytes": gathers * sum(ring_one_way(t, n) for t in gather)}}
-    if stage == 3:  # before each gather the ranks agree on the unit: N int64 gathered
-        out["check"] = {"calls": 2 * len(units), "bytes": 2 * len(units) * ring_one_way(8 * n, n)}
+        out = {"all_reduce": {"calls": len(units),
+                              "bytes": sum(ring_all_reduce(t, n) for t in reduce)}}
+    else:
+        gathers = 2 if stage == 3 else 1
+        out = {"reduce_scatter": {"calls": len(units),
+                                  "bytes": sum(ring_one_way(t, n) for t in reduce)},
+               "all_gather": {"calls": gathers * len(units),
+                              "bytes": gathers * sum(ring_one_way(t, n) for t in gather)}}
+    # a fingerprint of 7 int64 before each collective, and one agreement that the
+    # (unclipped) step's gradients are finite, each gathered from every rank
+    calls = sum(v["calls"] for v in out.values()) + 1
+    out["check"] = {"calls": calls, "bytes": calls * ring_one_way(56 * n, n)}
     return out
 
 

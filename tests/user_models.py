@@ -172,9 +172,11 @@ def max_rel_diff(a: dict, b: dict) -> float:
 
 
 def attempt(fn):
-    """``fn()``'s result, or the (type, message) of the ValueError / NotImplementedError
-    it raised."""
+    """``fn()``'s result, or the (type, message) of the ValueError, NotImplementedError
+    or RanksOutOfStep it raised."""
+    from zeroshard.runtime.watch import RanksOutOfStep
+
     try:
         return fn()
-    except (ValueError, NotImplementedError) as exc:
+    except (ValueError, NotImplementedError, RanksOutOfStep) as exc:
         return (type(exc).__name__, str(exc))

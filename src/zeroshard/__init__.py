@@ -20,6 +20,11 @@ _LAZY = {
     "save": "zeroshard.checkpoint",
     "load": "zeroshard.checkpoint",
     "load_pretrained": "zeroshard.checkpoint",
+    # the errors a run can meet on every rank alike (docs/faults.md)
+    "NonFiniteGradients": "zeroshard.runtime.nonfinite",
+    "RanksOutOfStep": "zeroshard.runtime.watch",
+    "CollectiveTimeout": "zeroshard.runtime.watch",
+    "SaveFailed": "zeroshard.checkpoint.sharded",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -11,6 +11,16 @@ import torch
 import torch.distributed as dist
 
 
+def check_clip_args(max_norm, norm_type) -> None:
+    """A ValueError naming a ``max_norm`` or ``norm_type`` that cannot be clipped by."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+            0 <= max_norm < float("inf")):
+        raise ValueError(f"max_norm={max_norm!r}; expected a finite number >= 0")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
+            norm_type > 0):
+        raise ValueError(f"norm_type={norm_type!r}; expected a number > 0 or float('inf')")
+
+
 @torch.no_grad()
 def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
                    error_if_nonfinite: bool = False) -> torch.Tensor:

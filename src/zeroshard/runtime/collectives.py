@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan.hardware import GLOO_BROADCAST_MAX
+from . import watch
 from .ledger import Ledger
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
@@ -41,36 +42,54 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class Collectives:
     """The data-parallel group: ``dp_rank``, ``dp_world`` and recorded collectives."""
 
-    def __init__(self, ledger: Ledger, group=None):
+    def __init__(self, ledger: Ledger, group=None, check: bool = True):
         self.ledger = ledger
         self.group = group
         self.dp_rank = dist.get_rank(group)
         self.dp_world = dist.get_world_size(group)
+        self.global_ranks = (dist.get_process_group_ranks(group) if group is not None
+                             else list(range(self.dp_world)))
+        self.global_rank = dist.get_rank()
+        self.group_name = dist.distributed_c10d._get_process_group_name(
+            group if group is not None else dist.distributed_c10d._get_default_group())
+        self.timeout_s = _timeout_s(group)
         # One more group with the same ranks, for gradient reductions only.
         self.reduce_group = _twin(group)
         backend = str(dist.get_backend(group))
         self._gloo = "gloo" in backend
-        # Small host-side agreements (``agree``) go over gloo beside NCCL: no device
-        # synchronisation. Elsewhere (gloo, the fake test backend) the parameter group.
-        self.control_group = _twin(group, backend="gloo") if "nccl" in backend else group
+        # Fingerprints and small agreements (``agree``) on a gloo group of their own
+        # (host-side: no device synchronisation under NCCL, and never queued behind a
+        # large collective); on the fake test backend, the parameter group.
+        self.control_group = (_twin(group, backend="gloo") if backend in ("gloo", "nccl")
+                              else group)
+        self.check = check  # fingerprint every collective ([Note: fingerprints])
+        # Where this rank is, for the fingerprints: the engine moves them on.
+        self.seq, self.step, self.phase = 0, 0, "setting up"
+        self.unit_names: list[str] = []
         self.trace: list[dict] | None = None  # profiling: one record per call
 
-    def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool):
-        """Record the call in the ledger and, when profiling, in the collective trace;
-        ``call()`` issues it asynchronously and returns its work handle."""
+    def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool, value: int = 0):
+        """Record the call in the ledger (and, when profiling, in the collective trace),
+        issue its fingerprint, then ``call()``, which issues the collective itself
+        asynchronously and returns its work handle (None: the fingerprint is all)."""
         nbytes = t.numel() * t.element_size()
-        self.ledger.record(kind, nbytes, self.dp_world)
+        if call is not None:  # an agreement is its fingerprint: recorded below
+            self.ledger.record(kind, nbytes, self.dp_world)
+        self.seq += 1
         rec = None
         if self.trace is not None:
             rec = {"kind": kind, "unit": unit, "bytes": nbytes, "issued": time.perf_counter()}
             self.trace.append(rec)
-        work = call()
-        if rec is not None:
-            work = _TracedWork(work, rec)
+        mine, rows, fp_work = watch.fingerprint(self, kind, unit, t.numel(), value), None, None
+        if self.check or call is None:
+            rows = torch.empty(self.dp_world, watch.WIDTH, dtype=torch.int64)
+            self.ledger.record("check", rows.numel() * rows.element_size(), self.dp_world)
+            fp_work = _all_gather(rows.view(-1), mine, group=self.control_group, async_op=True)
+        ticket = _Ticket(self, call() if call is not None else None, mine, fp_work, rows, rec)
         if not async_op:
-            work.wait()
+            ticket.wait()
             return None
-        return work
+        return ticket
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, grads: bool = False,
                    async_op: bool = False, unit=None):
@@ -116,13 +135,12 @@ class Collectives:
         return self._issue("all_gather", out, unit, call, async_op)
 
     def agree(self, value: int):
-        """Start gathering every rank's ``value`` (one small all-gather on the host);
-        the returned function waits for it and returns them in rank order."""
-        out = torch.empty(self.dp_world, dtype=torch.int64)
-        inp = torch.tensor([value], dtype=torch.int64)
-        work = self._issue("check", out, None, lambda: _all_gather(
-            out, inp, group=self.control_group, async_op=True), True)
-        return lambda: (work.wait(), out.tolist())[1]
+        """Start gathering every rank's ``value`` (one small all-gather on the host, with
+        its fingerprint); the returned function waits for it and returns them in rank
+        order."""
+        ticket = self._issue("check", torch.empty(0, dtype=torch.int64), None, None, True,
+                             value=value)
+        return lambda: (ticket.wait(), ticket.rows[:, -1].tolist())[1]
 
     def _on_gloo(self, t: torch.Tensor) -> bool:
         return self._gloo and t.device.type == "cpu" and self.dp_world > 1
@@ -168,6 +186,11 @@ def _timeout_of(group):
     return None
 
 
+def _timeout_s(group) -> float | None:
+    timeout = _timeout_of(group)
+    return timeout.total_seconds() if timeout is not None else None
+
+
 class _Then:
     """Work handles waited as one, then ``then()`` once: ``wait()`` may be called again
     (the units of a reduce bucket share one handle) and does nothing more."""
@@ -185,17 +208,27 @@ class _Then:
         self.done = True
 
 
-class _TracedWork:
-    """A work handle that notes when compute waited for it, and how long."""
+class _Ticket:
+    """A collective issued: ``wait()`` checks its fingerprint against every rank's
+    ([Note: fingerprints]), then waits for it, reporting a timeout by name
+    ([Note: timeouts]), and notes when profiling how long compute waited. The units of
+    a reduce bucket share one ticket: the first ``wait()`` counts, later ones return."""
 
-    def __init__(self, work, rec):
-        self.work, self.rec, self.done = work, rec, False
+    def __init__(self, comm, work, mine, fp_work, rows, rec):
+        self.comm, self.work, self.mine, self.rec = comm, work, mine, rec
+        self.fp_work, self.rows, self.done = fp_work, rows, False
 
     def wait(self) -> None:
-        if self.done:  # the units of a reduce bucket share one handle: the first wait counts
+        if self.done:
             return
         start = time.perf_counter()
-        self.work.wait()
-        self.rec["done"] = time.perf_counter()
-        self.rec["waited"] = self.rec.get("waited", 0.0) + self.rec["done"] - start
+        if self.fp_work is not None:
+            watch.wait(self.fp_work, self.comm, self.mine)
+            self.fp_work = None
+            watch.check_fingerprints(self.comm, self.rows, self.mine)
+        if self.work is not None:
+            watch.wait(self.work, self.comm, self.mine)
+        if self.rec is not None:
+            self.rec["done"] = time.perf_counter()
+            self.rec["waited"] = self.rec.get("waited", 0.0) + self.rec["done"] - start
         self.done = True

@@ -10,6 +10,7 @@ from typing import Any
 
 from .._jsonfile import read_json_object
 from ..plan.recipes import RECIPES, Recipe, get_recipe
+from .nonfinite import POLICIES
 
 #: ``mixed_precision`` shorthands -> recipe names.
 _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adamw",
@@ -80,12 +81,20 @@ class ZeroConfig:
     every forward with gradients enabled, outside ``no_sync()``, as torch DDP does by
     default: ranks evaluate alike and ``full_state_dict()`` is the same on every rank.
     Off, each rank's buffers follow its own data."""
-    check_gathers: bool = True
-    """Stage 3: before each all-gather the ranks exchange which unit they are about to
-    gather (one small collective, ``kind="check"`` in ``comm_stats()``), and stop with
-    one clear error naming both units when they differ — ranks that run different
-    modules (a mixture of experts routing per rank) would otherwise pair unlike
-    gathers: wrong weights when the sizes agree, a backend abort when they do not."""
+    check_collectives: bool = True
+    """Before each collective the ranks exchange a fingerprint of it — step, phase, kind,
+    unit, size — on a small group of their own (``kind="check"`` in ``comm_stats()``),
+    and stop, every rank alike, with one error naming what each rank was doing when they
+    differ (``runtime/watch.py``). Ranks out of step (one more micro-batch on one rank,
+    a mixture of experts routing per rank at stage 3) would otherwise pair unlike
+    collectives: wrong weights when the sizes agree, a wait until the timeout when not."""
+    nonfinite: str = "raise"
+    """What the optimizer step does when a reduced gradient holds a NaN or inf, decided
+    alike on every rank in one small exchange (free when the cycle was clipped: the
+    global norm tells): "raise" one error on every rank naming where; "skip" the step
+    on every rank, weights and optimizer state untouched (``model.skipped_steps``
+    counts them); "ignore": no check, as torch DDP (the step then makes every rank's
+    weights non-finite)."""
     recipe: Recipe = field(init=False)
     """The precision recipe resolved from ``mixed_precision`` and ``reduce_dtype``:
     the same definition the planner computes bytes from."""
@@ -106,7 +115,8 @@ class ZeroConfig:
         reduce = self.reduce_dtype
         if reduce is None:
             reduce = "fp32" if recipe.master_dtype else recipe.grad_dtype
-        for name in ("profile", "sync_module_states", "broadcast_buffers", "check_gathers"):
+        for name in ("profile", "sync_module_states", "broadcast_buffers",
+                     "check_collectives"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         for name in ("param_persistence_threshold", "prefetch", "prefetch_bucket_size",
@@ -114,6 +124,9 @@ class ZeroConfig:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"{name}={t!r} must be an integer >= 0")
+        if self.nonfinite not in POLICIES:
+            raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
+                             f"{', '.join(map(repr, POLICIES))}")
         if reduce not in ("fp32", "bf16"):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}; expected 'fp32' or 'bf16'")
         object.__setattr__(self, "recipe", recipe.with_reduce_dtype(reduce))

@@ -4,7 +4,6 @@ and cutting the model into units (which unit owns which parameter)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.distributed as dist
@@ -134,32 +133,8 @@ def build_units(module: nn.Module, inner: list[nn.Module], config, policy: Shard
     qualified = {id(m): n for n, m in module.named_modules()}
     for u in units:
         u.name = qualified[id(u.module)] or type(module).__name__
-        if config.check_gathers and u.policy.shards_params:
-            u.check_gather = functools.partial(_check_gather, units, comm)
     return units
 
 
 def _name(module: nn.Module, m: nn.Module) -> str:
     return next(n for n, x in module.named_modules() if x is m)
-
-
-def _check_gather(units: list[Unit], comm: Collectives, unit: Unit):
-    """Every rank must be gathering ``unit`` (``ZeroConfig.check_gathers``): ranks that
-    gathered unlike units would pair them, silently wrong when their sizes agree. The
-    exchange is issued beside the gather, without waiting (no barrier per gather); the
-    returned function, called before the gathered weights are used, checks it."""
-    pending = comm.agree(unit.index)
-    return functools.partial(_verify_gather, units, unit, pending)
-
-
-def _verify_gather(units: list[Unit], unit: Unit, pending) -> None:
-    wanted = pending()
-    if any(k != unit.index for k in wanted):
-        ranks = "; ".join(f"rank {r}: unit {k} ({units[k].name})" for r, k in enumerate(wanted))
-        raise ValueError(
-            f"stage 3: ranks are about to gather different units ({ranks}). Ranks that run "
-            "different modules (a mixture of experts routing per rank, a branch one rank "
-            "skips, a different number of forwards) must gather the same units in the same "
-            "order: put the modules they run unevenly in one unit, the module that calls "
-            "them (units=[that module, ...], or units=None for the whole model), or use "
-            "stage 2, which gathers nothing")

@@ -4,9 +4,9 @@ Communication is counted in the planner's ring accounting (``zeroshard.plan.memo
 an all-reduce of T bytes sends 2(N-1)/N·T per rank, a reduce-scatter (T = input) or
 all-gather (T = output) (N-1)/N·T, a broadcast (N-1)/N·T — whatever the backend moves
 underneath (gloo runs reduce-scatter as an all-reduce), so measured and planned bytes
-are the same quantity. ``check`` is the engine's own: the small all-gathers in which
-stage-3 ranks agree on the unit they gather next (``ZeroConfig.check_gathers``); the
-planner does not count them.
+are the same quantity. ``check`` is the engine's own: the fingerprint each rank sends
+before every collective (``ZeroConfig.check_collectives``, ``watch.py``) and the small
+agreements (a non-finite gradient found); the planner does not count them.
 
 Memory categories (bytes on this rank):
 

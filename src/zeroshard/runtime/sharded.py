@@ -26,7 +26,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .backward import Reducer
-from .clip import clip_grad_norm
 from .collectives import Collectives
 from .config import ZeroConfig
 from .construct import broadcast_buffers, broadcast_state, build_units, check_same_model
@@ -35,15 +34,16 @@ from .dist import default_device
 from .events import Events
 from .ledger import Ledger
 from .materialize import Materializer, has_meta
-from .optim import check_optimizer, register_for_step_hooks
+from .optim import register_for_step_hooks
 from .policy import ShardPolicy
 from .prefetch import Prefetcher
 from .readout import Readout
+from .stepping import Stepping
 from .unit import Unit
 from .units import select_units
 
 
-class ShardedModel(Readout, nn.Module):
+class ShardedModel(Stepping, Readout, nn.Module):
     """A model whose training state is sharded per :class:`ZeroConfig`.
 
     ``parameters()`` yields what this rank's optimizer owns: shards under the original
@@ -73,7 +73,7 @@ class ShardedModel(Readout, nn.Module):
         # meta tensors stay where they are: units materialize them one at a time
         module._apply(lambda t: t if t.is_meta else t.to(device))
         check_same_model(module, config)
-        self.comm = Collectives(self.ledger, group)
+        self.comm = Collectives(self.ledger, group, check=config.check_collectives)
         if config.sync_module_states:
             with torch.no_grad():
                 broadcast_state(module, self.comm)
@@ -88,9 +88,9 @@ class ShardedModel(Readout, nn.Module):
                                      for i, s in enumerate(u.shards)),
                                     key=lambda ns: position[ns[0]])
         self.reducer = Reducer(self.units, config.reduce_bucket_size)
+        self.comm.unit_names = [u.name for u in self.units]
         self.cycle = StepCycle()
-        self._stepped_by: int | None = None  # id of the optimizer that stepped this cycle
-        self._checked: set[int] = set()
+        self._init_stepping()
         self._prefetch = Prefetcher(config.prefetch, config.prefetch_bucket_size)
         self.profiler = None
         """The profiler, when ``zs.shard(..., profile=True)`` attached one."""
@@ -98,6 +98,7 @@ class ShardedModel(Readout, nn.Module):
         self._register_hooks()
         register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up
+        self.comm.phase = "between steps"
 
     @property
     def stage(self) -> int:
@@ -146,6 +147,7 @@ class ShardedModel(Readout, nn.Module):
     def _root_pre_forward(self, module, args, kwargs):
         if torch._C._current_graph_task_id() != -1:
             return None  # activation checkpointing's recompute
+        self.comm.phase = "forward"
         for u in self.units:
             u.wait_sync()
         if torch.is_grad_enabled() and self.cycle.state is CycleState.FINAL:
@@ -201,7 +203,9 @@ class ShardedModel(Readout, nn.Module):
                              "the full weights for inference: train outside it")
         new_cycle = self.cycle.new_cycle
         self.cycle.advance("backward_begin")
+        self.comm.phase = "backward"
         self._stepped_by = None
+        self._cycle_norm = None  # this backward changes the gradients it measured
         self.reducer.begin(new_cycle)
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
@@ -224,64 +228,6 @@ class ShardedModel(Readout, nn.Module):
             yield
         finally:
             self.reducer.sync = True
-
-    # -- the step -------------------------------------------------------------------
-    def _finalize_grads(self) -> None:
-        """Finish every reduction and give each shard its gradient (idempotent)."""
-        state = self.cycle.state
-        self.cycle.advance("finalize")  # refused inside backward and inside the step
-        if state in (CycleState.REDUCING, CycleState.UNREDUCED):
-            self.reducer.finalize(unreduced=state is CycleState.UNREDUCED)
-
-    def before_step(self, optimizer) -> None:
-        """The optimizer step's pre-hook (``optim.py``): gradients made final."""
-        if id(optimizer) not in self._checked:
-            check_optimizer(optimizer, self.policy)
-            self._checked.add(id(optimizer))
-        if self._stepped_by not in (None, id(optimizer)):
-            raise NotImplementedError(
-                f"{type(optimizer).__name__}.step() after another optimizer's step with no "
-                "backward in between: a sharded model hands each cycle's gradients to one "
-                "optimizer step, and frees them after it. Put every parameter in one "
-                "optimizer (param groups may differ in lr and weight decay)")
-        if self.cycle.state in (CycleState.BACKWARD, CycleState.STEP):
-            self.cycle.advance("step_begin")  # refused, with what was expected
-        self.events.emit("step_begin", optimizer=optimizer)  # the landing counts in the step
-        self._finalize_grads()
-        self.cycle.advance("step_begin")
-        self._stepped_by = id(optimizer)
-
-    def after_step(self) -> None:
-        """The optimizer step's post-hook: compute weights brought up to date."""
-        self.cycle.advance("step_end")
-        # All-gathers after the step go unit by unit; at most two are in flight, so the
-        # gathered buffers never add up to a second copy of the model.
-        prev = None
-        for u in self.units:
-            u.after_step()
-            if prev is not None:
-                prev.wait_sync()
-            prev = u
-        self.events.emit("step_end")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the shards' gradients and start a new accumulation cycle."""
-        self.cycle.advance("zero_grad")
-        super().zero_grad(set_to_none)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip by the global norm over all ranks' shards (padding never counts); return
-        the norm (see :func:`zeroshard.runtime.clip.clip_grad_norm`)."""
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
-                0 <= max_norm < float("inf")):
-            raise ValueError(f"max_norm={max_norm!r}; expected a finite number >= 0")
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not (
-                norm_type > 0):
-            raise ValueError(f"norm_type={norm_type!r}; expected a number > 0 or "
-                             "float('inf')")
-        self._finalize_grads()
-        return clip_grad_norm(self.units, self.comm, max_norm, norm_type, error_if_nonfinite)
 
     # -- inspection -----------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True,

@@ -90,8 +90,6 @@ class Unit(UnitView):
         self._gather_work = None  # sharded parameters: (work, [N, S] buffer) of a gather
         self.prefetched = False  # gathered ahead of use, not used yet
         self.name = ""  # the unit's module, as the model names it (set by the engine)
-        self.check_gather = None  # issued with each all-gather (ZeroConfig.check_gathers)
-        self._verify = None  # its check, run before the gathered weights are used
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
         if policy.shards_params:
             self.release()
@@ -118,7 +116,6 @@ class Unit(UnitView):
         """Issue the all-gather of the compute weights (a prefetch returns here)."""
         if self.state is not UnitState.SHARDED:
             return
-        self._verify = self.check_gather(self) if self.check_gather is not None else None
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
         self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True,
@@ -133,9 +130,6 @@ class Unit(UnitView):
             return
         self.start_gather()
         work, out = self._gather_work
-        if self._verify is not None:  # every rank gathered this unit, before it is used
-            verify, self._verify = self._verify, None
-            verify()
         work.wait()
         self._gather_work = None
         for p, buf in zip(self.params, self.padded):
