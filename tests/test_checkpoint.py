@@ -280,3 +280,29 @@ def test_fewer_rows_than_ranks(tmp_path):
     saved = spawn(_mlp_save, 3, str(tmp_path))[0]
     assert cases.bit_equal(spawn(_mlp_load, 3, str(tmp_path))[0], saved)
     assert cases.bit_equal(spawn(_mlp_load, 2, str(tmp_path))[0], saved)
+
+
+def test_a_manifest_missing_keys_is_named(saved, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(saved["n2s3"][0], root)
+    manifest = json.loads((root / "step-3" / "manifest.json").read_text())
+    del manifest["params"]
+    (root / "step-3" / "manifest.json").write_text(json.dumps(manifest))
+    for msg, unchanged in spawn(_try_load, 2, str(root), "gpt"):
+        assert "step-3/manifest.json: the manifest lacks ['params'] (damaged" in msg, msg
+        assert unchanged
+
+
+def test_resuming_a_checkpoint_without_the_trainers_step_says_so(tmp_path, capfd):
+    """A checkpoint the trainer did not write (zs.save without extra={"step": ...})."""
+    base = ["train", "--model", "tiny", "--steps", "2", "--eval-every", "100",
+            "--sample-chars", "0"]
+    assert main([*base, "--save-dir", str(tmp_path / "a")]) == 0
+    manifest_path = tmp_path / "a" / "step-000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["extra"] = {}
+    manifest_path.write_text(json.dumps(manifest))
+    capfd.readouterr()
+    assert main([*base, "--resume", str(tmp_path / "a" / "step-000002")]) != 0
+    err = capfd.readouterr().err
+    assert "a checkpoint without the trainer's step and schedule (saved by zs.save" in err

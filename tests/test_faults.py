@@ -1,6 +1,7 @@
 """Faults: a rank that freezes must not hold the others past the process group's
-timeout (real gloo ranks); a save folder that cannot take the run's checkpoints, or that
-another run holds, stops the run before it starts."""
+timeout, and is named; ranks out of step fail at once, each position named (real gloo
+ranks); a save folder that cannot take the run's checkpoints, or that another run
+holds, stops the run before it starts."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zeroshard as zs
@@ -20,6 +22,7 @@ from zeroshard.cli import main
 from zeroshard.plan import RECIPES
 from zeroshard.runtime.spawn import RankFailure, spawn
 
+from . import engine_cases as cases
 from . import user_models as um
 
 
@@ -44,8 +47,43 @@ def test_a_frozen_rank_ends_the_others_within_the_timeout(stage):
         spawn(_freeze_in_forward, 2, stage, timeout=90)
     elapsed = time.monotonic() - start
     assert elapsed < 30, elapsed  # torch's default for a new group would be 30 minutes
-    assert "rank 0" in str(failure.value) and "imed out" in failure.value.tracebacks[0], (
-        failure.value.tracebacks)
+    tb = failure.value.tracebacks[0]
+    assert "CollectiveTimeout: rank 0 waited 10 s for " in tb, failure.value.tracebacks
+    assert "silent: rank 1 (frozen, killed, or busy" in tb, tb
+    assert "in the backward of step 1" in tb and "zeroshard train --timeout" in tb, tb
+
+
+def _extra_micro_batch(stage: int):
+    """Rank 1 runs one more forward and backward than rank 0 in step 2."""
+    net = zs.shard(cases.build("mlp"), stage=stage)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = cases.batch("mlp", step)
+        net(x, y).backward()
+        if step == 1 and dist.get_rank() == 1:
+            net(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_out_of_step_fail_at_once_naming_both(stage):
+    """Without the fingerprints the ranks would wait for each other in unlike
+    collectives until the timeout (60 s here; 600 s before the fix, then a bare
+    "Connection closed by peer")."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        spawn(_extra_micro_batch, 2, stage, timeout=60)
+    assert time.monotonic() - start < 20
+    for r in (0, 1):
+        tb = failure.value.tracebacks[r]
+        assert "RanksOutOfStep: ranks are out of step" in tb, tb
+        assert "rank 0: an agreement at optimizer step 2 (collective #" in tb, tb
+        # stage 0: the extra backward's reduction; stage 3: its forward's first gather
+        assert ("rank 1: all_reduce of unit 3 (blocks.2) in the backward of step 2" if stage == 0
+                else "rank 1: all_gather of unit 0 (MLP) in the forward of step 2") in tb, tb
 
 
 def test_a_save_folder_that_cannot_be_written_stops_the_run_before_it_starts(tmp_path, capsys):
@@ -77,3 +115,86 @@ def test_two_runs_on_one_save_folder(tmp_path, capsys):
         {"host": socket.gethostname(), "pid": int(dead), "started": "earlier"}))
     with savedir.hold(tmp_path):
         assert json.loads((tmp_path / savedir.LOCK).read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("launch", [["-m", "zeroshard.train.launch", "--nproc-per-node", "2"],
+                                    []], ids=["zeroshard-train-launcher", "init-distributed"])
+def test_the_store_and_ranks_listen_on_loopback_only(launch):
+    """``zeroshard train``'s launcher (torchrun's own would listen on every interface:
+    "[::]") and ``zs.init_distributed`` on one machine."""
+    script = os.path.join(os.path.dirname(__file__), "listeners.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT",
+                                                              "GLOO_SOCKET_IFNAME")}
+    done = subprocess.run([sys.executable, *launch, script], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    addresses = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(addresses) >= (3 if launch else 1), addresses  # the store, and gloo's pairs
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def _save_fails_on_one_rank(folder: str):
+    """Rank 1's disk fills during the second save; rank 0's write succeeds."""
+    import errno
+    from pathlib import Path
+
+    from zeroshard.checkpoint import sharded
+
+    net = zs.shard(cases.build("mlp"), stage=2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(*cases.batch("mlp", 0)).backward()
+    opt.step()
+    zs.save(net, opt, Path(folder) / "step-1")
+    if dist.get_rank() == 1:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device", args[0])
+        sharded.write_tensors = full
+    try:
+        zs.save(net, opt, Path(folder) / "step-2")
+        return "saved"
+    except sharded.SaveFailed as exc:
+        return str(exc)
+
+
+@pytest.mark.dist
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """No rank waits for the timeout; the unfinished copy goes; latest keeps the last
+    complete checkpoint, which loads."""
+    from zeroshard.checkpoint.sharded import resolve
+
+    start = time.monotonic()
+    msgs = spawn(_save_fails_on_one_rank, 2, str(tmp_path), timeout=120)
+    assert time.monotonic() - start < 60
+    assert msgs[0] == msgs[1] and "checkpoint not saved: rank 1: " in msgs[0], msgs
+    assert "No space left on device" in msgs[0], msgs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
+    assert resolve(tmp_path).name == "step-1"
+
+
+def _final_save_blocked(folder: str):
+    from zeroshard.checkpoint.sharded import SaveFailed
+    from zeroshard.train.config import TrainConfig
+    from zeroshard.train.loop import train
+
+    try:
+        train(TrainConfig(model="tiny", steps=4, batch=4, eval_every=100, eval_batches=1,
+                          sample_chars=0, save_dir=folder, save_every=2))
+    except SaveFailed as exc:
+        return str(exc)
+    return "finished"
+
+
+@pytest.mark.dist
+def test_a_final_save_that_fails_twice_states_what_is_lost(tmp_path, capfd):
+    """A file where the last checkpoint's unfinished copy goes: its save fails, is
+    tried once more, and the error names the last complete checkpoint and the steps
+    no checkpoint holds."""
+    (tmp_path / "step-000004.partial").write_text("in the way")
+    msgs = spawn(_final_save_blocked, 2, str(tmp_path), timeout=120)
+    assert msgs[0] == msgs[1], msgs
+    assert "checkpoint not saved: " in msgs[0] and ", twice. Trained through step 4; the " \
+        f"last complete checkpoint is {tmp_path / 'step-000002'} (step 2): steps 3-4 are " \
+        "not saved" in msgs[0], msgs
+    assert "step 4: checkpoint not saved:" in capfd.readouterr().out  # the retry, announced

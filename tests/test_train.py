@@ -170,7 +170,8 @@ ENGINE_FLAGS = {
     "reduce_bucket_size": (["--reduce-bucket-size", "5000"], 5000),
     "sync_module_states": (["--no-sync-module-states"], False),
     "broadcast_buffers": (["--no-broadcast-buffers"], False),
-    "check_gathers": (["--no-check-gathers"], False),
+    "check_collectives": (["--no-check-collectives"], False),
+    "nonfinite": (["--nonfinite", "raise"], "raise"),
 }
 
 
@@ -186,7 +187,8 @@ def test_every_engine_field_has_a_flag_that_reaches_zero_config():
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert _parse("--units", "model").zero.units is None
     assert _parse("--sync-module-states").zero.sync_module_states is True
-    assert _parse().zero == ZeroConfig()  # no flag, the engine's defaults
+    # no flag: the engine's defaults, but a non-finite step is skipped and counted
+    assert _parse().zero == ZeroConfig(nonfinite="skip")
 
 
 def test_precision_is_an_alias_of_mixed_precision(capsys):
@@ -211,7 +213,8 @@ def test_deepspeed_config_goes_through_the_engines_translator(tmp_path, monkeypa
         lambda cls, d, handled=(): calls.append(d) or engine_translator(cls, d, handled)))
     cfg = _parse("--config", str(path), "--reduce-bucket-size", "7")
     assert calls == [ds]  # one translator, the engine's
-    assert cfg.zero == ZeroConfig(stage=2, mixed_precision="bf16", reduce_bucket_size=7)
+    assert cfg.zero == ZeroConfig(stage=2, mixed_precision="bf16", reduce_bucket_size=7,
+                                  nonfinite="skip")  # the trainer's default
     assert (cfg.batch, cfg.clip) == (32, None)  # the trainer's keys, on top
     (warning,) = recwarn.list  # one warning names every key neither honours
     assert str(warning.message) == ("DeepSpeed config keys ignored by zeroshard: fp16, "
@@ -228,10 +231,10 @@ def test_engine_keys_flat_or_nested_under_zero(tmp_path):
     assert resolve({}, str(path)) == nested
     assert nested.steps == 7
     assert nested.zero == ZeroConfig(stage=1, mixed_precision="bf16", units=None, prefetch=0,
-                                     sync_module_states=False)
+                                     sync_module_states=False, nonfinite="skip")
     path.write_text(json.dumps({"zero": {"stage": 1}}))
     assert resolve({"stage": 2, "mixed_precision": "bf16"}, str(path)).zero == ZeroConfig(
-        stage=2, mixed_precision="bf16")  # flags win over the file
+        stage=2, mixed_precision="bf16", nonfinite="skip")  # flags win over the file
     path.write_text(json.dumps({"precision": "bf16"}))  # the trainer's earlier key
     assert resolve({}, str(path)).zero.mixed_precision == "bf16"
 
@@ -245,12 +248,39 @@ def test_engine_keys_flat_or_nested_under_zero(tmp_path):
     ({"zero": 3}, "zero=3 must be a JSON object of engine keys"),
     ({"zero": {"stage": 7}}, "stage=7 is not a ZeRO stage; expected 0, 1, 2 or 3"),
     ({"zero": {"units": "layers"}}, "units='layers'; expected 'blocks', 'model' or a "),
+    ({"save_dir": 5}, r"save_dir=5 must be a string or null"),
+    ({"seed": "x"}, r"seed='x' must be an integer"),
+    ({"steps": 2.5}, r"steps=2.5 must be an integer"),
+    ({"lr": "fast"}, r"lr='fast' must be a number"),
+    ({"clip": True}, r"clip=True must be a number or null"),
+    ({"param_persistence_threshold": "abc"},
+     r"param_persistence_threshold='abc' must be an integer >= 0"),
 ])
 def test_bad_config_files_name_key_and_accepted_values(tmp_path, data, message):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=message):
         resolve({}, str(path))
+
+
+def _diverge():
+    """A learning rate no run survives: every step after the first is non-finite."""
+    try:
+        train(TrainConfig(model="tiny", steps=20, batch=4, lr=1e30, warmup=1, clip=None,
+                          eval_every=100, eval_batches=1, sample_chars=0, max_skipped=3))
+    except FloatingPointError as exc:
+        return str(exc)
+    return "finished"
+
+
+def test_a_diverged_run_skips_then_stops_with_a_clear_error(capfd):
+    msgs = spawn(_diverge, 2, timeout=120)
+    assert msgs[0] == msgs[1]
+    assert "3 steps in a row (to step " in msgs[0] and "max_skipped=3" in msgs[0], msgs
+    out = " ".join(capfd.readouterr().out.split())
+    assert "step 2 skipped (non-finite gradients): 1 in a row, 1 in all;" in out, out
+    assert "step 4 skipped (non-finite gradients): 3 in a row, 3 in all; the run stops at 3 " \
+           "in a row" in out, out
 
 
 def test_engine_flags_reach_the_ranks(capfd):

@@ -119,18 +119,64 @@ def read_manifest(ckpt: Path) -> dict:
     return manifest
 
 
+class SaveFailed(OSError):
+    """A checkpoint could not be written; the one before it (if any) is intact."""
+
+
 def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     """Write a checkpoint of ``model`` (a ShardedModel) and ``optimizer`` to directory
     ``path``, every rank its own rows in parallel; move ``latest`` beside it last.
-    ``extra`` (JSON) is stored in the manifest and returned by :func:`load`."""
+    ``extra`` (JSON) is stored in the manifest and returned by :func:`load`.
+
+    A failure on any rank (a full disk, a folder made read-only) is one
+    :class:`SaveFailed` on every rank, with the unfinished ``.partial`` folder removed
+    and ``latest`` still naming the last complete checkpoint."""
     rank, world = model.comm.dp_rank, model.comm.dp_world
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     model.synchronize()
+    problem = None
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier(model.comm.group)
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as exc:
+            problem = f"{partial}: {exc.strerror or exc}"
+    _agree_saved(model, problem, partial)
+    problem, files = None, None
+    try:
+        files = _write_rows(model, optimizer, partial, rank, world)
+    except OSError as exc:
+        problem = f"rank {rank}: {exc.filename or partial}: {exc.strerror or exc}"
+    _agree_saved(model, problem, partial)
+    every = [None] * world
+    dist.all_gather_object(every, files, group=model.comm.group)
+    problem = None
+    if rank == 0:
+        try:
+            _publish(model, optimizer, path, partial, every, extra or {})
+        except OSError as exc:
+            problem = f"{exc.filename or path}: {exc.strerror or exc}"
+    _agree_saved(model, problem, partial)
+    return path
+
+
+def _agree_saved(model, problem: str | None, partial: Path) -> None:
+    """Every rank learns whether any rank failed; if so the ``.partial`` folder goes
+    and every rank raises the same :class:`SaveFailed`."""
+    problems = [None] * model.comm.dp_world
+    dist.all_gather_object(problems, problem, group=model.comm.group)
+    first = next((p for p in problems if p), None)
+    if first:
+        if model.comm.dp_rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise SaveFailed(f"checkpoint not saved: {first}; the last complete checkpoint "
+                         "beside it is untouched")
+
+
+def _write_rows(model, optimizer, partial: Path, rank: int, world: int) -> dict:
+    """This rank's file of the checkpoint: the rows it owns of every parameter and of
+    its optimizer state, its RNG state, and (rank 0) the buffers."""
     plan, rows = [], {}
     for e in entries(model):
         a, b = own_rows(e.rows, rank, world)
@@ -155,13 +201,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
             plan.append((f"{name}::buffer", tuple(buf.shape), buf.dtype, lambda b=buf: b))
     fname = f"rank{rank:05d}.safetensors"
     sha, size = write_tensors(str(partial / fname), plan, {"rows": json.dumps(rows)})
-    files = [None] * world
-    dist.all_gather_object(files, {"file": fname, "sha256": sha, "bytes": size, "rows": rows},
-                           group=model.comm.group)
-    if rank == 0:
-        _publish(model, optimizer, path, partial, files, extra or {})
-    dist.barrier(model.comm.group)
-    return path
+    return {"file": fname, "sha256": sha, "bytes": size, "rows": rows}
 
 
 def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:

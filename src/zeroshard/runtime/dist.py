@@ -20,7 +20,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
 
     gloo on CPU, nccl when CUDA is available (each process takes the GPU of its
     LOCAL_RANK). Without torchrun's variables it starts a group of one, so a script
-    runs unchanged on a laptop. Calling it again is a no-op."""
+    runs unchanged on a laptop. Where MASTER_ADDR is a loopback address and no torchrun
+    agent hosts the store, rank 0 serves the rendezvous store on loopback only and gloo
+    is kept to the loopback interface. ``timeout_s`` bounds every wait in every group
+    (the engine's groups inherit it). Calling it again is a no-op."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if backend is None:
@@ -31,10 +34,66 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", "0")
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    addr = os.environ.get("MASTER_ADDR", "")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if is_loopback(addr) and not agent:
+        # One machine: the store and gloo's sockets listen on loopback only (torch's
+        # own env:// rendezvous would listen on every interface).
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = loopback_store(addr, int(os.environ.get("MASTER_PORT", "0")), rank, world,
+                               timeout)
+        if loopback_interface() and "GLOO_SOCKET_IFNAME" not in os.environ:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+_LISTENERS: list = []  # sockets whose descriptors a store server listens on
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` names this machine's loopback interface."""
+    import ipaddress
+
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_store(addr: str, port: int, rank: int, world: int, timeout: timedelta):
+    """The rendezvous store at ``addr:port`` on loopback: rank 0 serves it on a socket it
+    binds to ``addr`` itself (torch's server would bind every interface), the others
+    connect. ``port`` 0 (a world of one) picks a free port."""
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout)
+    import socket
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1" if addr == "localhost" else addr, port))
+    sock.listen(128)
+    _LISTENERS.append(sock)  # the store holds the descriptor, not the object
+    return dist.TCPStore(addr, sock.getsockname()[1], world, True, timeout,
+                         master_listen_fd=sock.fileno(), use_libuv=True)
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), for
+    ``GLOO_SOCKET_IFNAME``; None where neither exists."""
+    import socket
+
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def release_process_groups() -> None:
@@ -47,14 +106,6 @@ def release_process_groups() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_device() -> torch.device:

@@ -1,6 +1,7 @@
 """zeroshard train — the built-in GPT on the built-in corpus, sharded over N processes.
 
-Launches --nproc local processes through PyTorch's own launcher (torch.distributed.run).
+Launches --nproc local processes through PyTorch's own launcher (torch.distributed.run,
+with its rendezvous store on the loopback interface only: ``train/launch.py``).
 Under torchrun the same command runs as one rank of a larger job, e.g. on two 8-GPU
 nodes:
 
@@ -54,8 +55,12 @@ _ENGINE_FLAGS = {
                                "shard time"),
     "broadcast_buffers": dict(shown="on", help="broadcast rank 0's buffers before every "
                               "forward (torch DDP's default)"),
-    "check_gathers": dict(shown="on", help="stage 3: ranks check they gather the same unit "
-                          "before each all-gather"),
+    "check_collectives": dict(shown="on", help="ranks exchange a fingerprint of each "
+                              "collective and stop at once, naming each rank's position, "
+                              "when they are out of step"),
+    "nonfinite": dict(metavar="{raise,skip,ignore}", shown="skip, stopping after "
+                      "--max-skipped consecutive skips", help="a step whose reduced gradients "
+                      "hold a NaN or inf, on every rank alike"),
 }
 
 
@@ -149,7 +154,7 @@ def run(args) -> int:
     env = dict(os.environ)
     env[_ENV] = json.dumps(cfg.to_dict())
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-m", "zeroshard.train.launch",  # torchrun, on loopback only
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
     with _hold_save_dir(cfg):
         return subprocess.run(cmd, env=env).returncode

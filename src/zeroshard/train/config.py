@@ -20,6 +20,14 @@ def engine_keys() -> list[str]:
 #: Other names accepted for an engine key in our JSON (the flag has its own alias).
 _ALIASES = {"precision": "mixed_precision"}
 
+#: The engine's settings under the trainer: ZeroConfig's defaults, except that a step
+#: with non-finite gradients is skipped (and counted) rather than raised.
+TRAIN_ZERO = ZeroConfig(nonfinite="skip")
+
+#: What each annotated type accepts, in the words of an error.
+_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
+          "str": ((str,), "a string")}
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -27,13 +35,14 @@ class TrainConfig:
 
     nproc: int = 2
     """Local processes to launch (ignored under torchrun, which sets the world)."""
-    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    zero: ZeroConfig = field(default_factory=lambda: TRAIN_ZERO)
     """The engine's settings, exactly as ``zs.shard`` takes them: stage, mixed_precision,
     reduce_dtype, units, param_persistence_threshold, prefetch, prefetch_bucket_size,
     reduce_bucket_size, sync_module_states (see ``ZeroConfig`` for each). A dict of its
     fields is accepted too. For the built-in GPT ``units`` is "blocks", None (the whole
     model as one unit; "model" on the command line and in JSON) or a parameter count;
-    ``zero.profile`` is set from ``profile`` below."""
+    ``zero.profile`` is set from ``profile`` below. ``nonfinite`` defaults to "skip"
+    here (``max_skipped`` below bounds it)."""
     model: str = "small"
     """Built-in GPT preset: tiny, small or medium."""
     steps: int = 400
@@ -73,6 +82,10 @@ class TrainConfig:
     Chrome trace per rank and the lifetime chart into this directory."""
     init_from: str | None = None
     """Initialise the weights from consolidated safetensors (a file or directory)."""
+    max_skipped: int = 10
+    """Consecutive steps skipped for non-finite gradients (``zero.nonfinite="skip"``)
+    after which the run stops with an error: a few are a bad batch, ten in a row a run
+    that has diverged."""
     timeout: float = 300.0
     """Seconds a rank waits for the others in any collective (every process group the
     engine creates has it too) before it fails, naming the collective. 300 s: far above
@@ -80,6 +93,8 @@ class TrainConfig:
     reaches it, and a run that cannot go on ends in minutes rather than torch's 30."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
+
         def positive(name, allow_none=False):
             value = getattr(self, name)
             if value is None and allow_none:
@@ -87,7 +102,8 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive number")
 
-        for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout"):
+        for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout",
+                     "max_skipped"):
             positive(name)
         for name in ("micro_batch", "clip", "warmup", "save_every"):
             positive(name, allow_none=True)
@@ -135,7 +151,22 @@ class TrainConfig:
     def from_dict(cls, d: dict, where: str = "config") -> TrainConfig:
         """Our JSON keys: the trainer's fields, and the engine's (ZeroConfig's) at top
         level or under "zero"."""
-        return _build(ZeroConfig(), *_split(d, where))
+        return _build(TRAIN_ZERO, *_split(d, where))
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """A ValueError naming the first trainer field whose value is not of its annotated
+    type (JSON gives strings where numbers belong, numbers where paths do)."""
+    for f in fields(cfg):
+        if f.name == "zero":
+            continue
+        value, kinds = getattr(cfg, f.name), [k.strip() for k in f.type.split("|")]
+        if value is None and "None" in kinds:
+            continue
+        accepted = [_TYPES[k] for k in kinds if k in _TYPES]
+        if not any(isinstance(value, t) and not isinstance(value, bool) for t, _ in accepted):
+            words = " or ".join([w for _, w in accepted] + (["null"] if "None" in kinds else []))
+            raise ValueError(f"{f.name}={value!r} must be {words}")
 
 
 #: The DeepSpeed keys the trainer honours on top of the engine's
@@ -225,12 +256,12 @@ def resolve(flags: dict, config_path: str | None = None) -> TrainConfig:
     are named as the fields: the trainer's and the engine's (ZeroConfig's) side by side."""
     trainer_keys = {f.name for f in fields(TrainConfig)} - {"zero"}
     engine_set = set(engine_keys())
-    zero, trainer, engine = ZeroConfig(), {}, {}
+    zero, trainer, engine = TRAIN_ZERO, {}, {}
     if config_path:
         data = read_json_object(config_path, "config")
         if is_deepspeed(data) or any(k in data for k in TRAINER_DEEPSPEED_KEYS):
             trainer = from_deepspeed(data, flags.get("nproc") or TrainConfig.nproc)
-            zero = trainer.pop("zero")
+            zero = replace(trainer.pop("zero"), nonfinite=TRAIN_ZERO.nonfinite)
         else:
             trainer, engine = _split(data, f"config {config_path}")
     given = {k: v for k, v in flags.items() if v is not None}

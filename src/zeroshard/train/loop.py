@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .. import shard  # the public zs.shard, wherever the engine defines it
 from ..checkpoint import load, load_pretrained, save
+from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
 from ..data import Corpus, decode
 from ..models.gpt import GPT, get_preset
 from ..runtime.dist import default_device, init_distributed
@@ -56,6 +57,29 @@ def evaluate(model, corpus: Corpus, cfg: TrainConfig, split: str, rank: int, wor
     return _global_mean(total / cfg.eval_batches, world)
 
 
+def _save(model, optimizer, cfg: TrainConfig, step: int, extra: dict, out) -> None:
+    """Save step ``step``'s checkpoint, once more if it fails (a transient error: a
+    filesystem hiccup); a second failure ends the run on every rank, saying which
+    trained steps no checkpoint holds."""
+    path = Path(cfg.save_dir) / f"step-{step:06d}"
+    try:
+        save(model, optimizer, path, extra=extra)
+        return
+    except SaveFailed as exc:
+        out.note(f"step {step}: {exc}; trying once more")
+    try:
+        save(model, optimizer, path, extra=extra)
+    except SaveFailed as exc:
+        try:
+            last = resolve(Path(cfg.save_dir))
+            done = read_manifest(last)["extra"].get("step", 0)
+            kept = f"the last complete checkpoint is {last} (step {done})"
+        except ValueError:
+            done, kept = 0, f"no complete checkpoint is in {cfg.save_dir}"
+        raise SaveFailed(f"{exc}, twice. Trained through step {step}; {kept}: steps "
+                         f"{done + 1}-{step} are not saved") from None
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run the whole job on this rank; rank 0 prints. Returns the losses (for tests)."""
     rank, world = init_distributed(timeout_s=cfg.timeout)
@@ -96,6 +120,7 @@ def train(cfg: TrainConfig) -> dict:
     tokens_per_step = cfg.batch * seq_len
     model.comm_stats(reset=True)
     comm: dict[str, dict[str, int]] = {}  # training steps only, evaluations left out
+    in_a_row = 0  # consecutive steps skipped for non-finite gradients
     try:
         held: list[dict[str, int]] = []
         for step in range(start, cfg.steps):
@@ -122,6 +147,15 @@ def train(cfg: TrainConfig) -> dict:
             scheduler.step()
             optimizer.zero_grad()
             loss_value = _global_mean(step_loss, world)
+            in_a_row = in_a_row + 1 if model.last_step_skipped else 0
+            if in_a_row:
+                out.skipped(step + 1, in_a_row, model.skipped_steps)
+            if in_a_row >= cfg.max_skipped:
+                raise FloatingPointError(
+                    f"{in_a_row} steps in a row (to step {step + 1}) were skipped for "
+                    f"non-finite gradients (max_skipped={cfg.max_skipped}); the weights are "
+                    "those of the last good step. Lower --lr, check the data, or resume the "
+                    "last checkpoint")
             dt = time.perf_counter() - t0
             losses.append(loss_value)
             for kind, s in model.comm_stats(reset=True).items():
@@ -130,6 +164,7 @@ def train(cfg: TrainConfig) -> dict:
                 acc["bytes"] += s["bytes"]
             record = {"step": step + 1, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": None if norm is None else norm.item(),
+                      "skipped": model.last_step_skipped,
                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 record["train_loss"] = evaluate(model, corpus, cfg, "train", rank, world, seq_len)
@@ -140,9 +175,9 @@ def train(cfg: TrainConfig) -> dict:
             out.step(record)
             if cfg.save_dir and ((cfg.save_every and (step + 1) % cfg.save_every == 0)
                                  or step + 1 == cfg.steps):
-                save(model, optimizer, Path(cfg.save_dir) / f"step-{step + 1:06d}",
-                     extra={"step": step + 1, "scheduler": scheduler.state_dict(),
-                            "config": cfg.to_dict()})
+                _save(model, optimizer, cfg, step + 1,
+                      {"step": step + 1, "scheduler": scheduler.state_dict(),
+                       "config": cfg.to_dict()}, out)
                 model.comm_stats(reset=True)
             if log:
                 log.write(json.dumps(record) + "\n")

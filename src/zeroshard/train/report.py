@@ -57,6 +57,16 @@ class Reporter:
                 f"step {record['step']}: train loss {record['train_loss']:.4f}, "
                 f"val loss {record['val_loss']:.4f}")
 
+    def note(self, text: str) -> None:
+        if self.enabled:
+            (self.progress.console if self.progress else self.console).print(text)
+
+    def skipped(self, step: int, in_a_row: int, total: int) -> None:
+        if self.enabled:
+            self.progress.console.print(
+                f"step {step} skipped (non-finite gradients): {in_a_row} in a row, {total} "
+                f"in all; the run stops at {self.cfg.max_skipped} in a row")
+
     def stop(self) -> None:
         if self.enabled and self.progress is not None:
             self.progress.stop()

@@ -1,0 +1,66 @@
+"""The local launcher of ``zeroshard train``: PyTorch's own (``torch.distributed.run``),
+with a rendezvous whose store listens on the loopback interface only.
+
+torchrun's rendezvous backends (``c10d``, ``static``) serve their store on every
+interface, so on a shared machine anyone who can reach it could join or disturb the run.
+For N processes on one machine nothing needs to: the ``zeroshard-loopback`` backend
+below is torch's static rendezvous with its store served on a socket bound to
+127.0.0.1, and the workers' gloo sockets are kept to the loopback interface
+(``GLOO_SOCKET_IFNAME``). Runs over several machines go through ``torchrun`` as usual
+(README: what listens where).
+
+    python -m zeroshard.train.launch --nproc-per-node N -m zeroshard train
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+BACKEND = "zeroshard-loopback"
+
+
+def _create_handler(params):
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousInfo,
+        RendezvousStoreInfo,
+    )
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    from ..runtime.dist import loopback_store
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        """One node: the agent serves the store on 127.0.0.1 and its workers join it."""
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            from torch.distributed import PrefixStore
+
+            if not self._store:
+                self._store = loopback_store("127.0.0.1", 0, 0, self.world_size, self.timeout)
+                self.master_port = self._store.port
+            store = PrefixStore(self.run_id, self._store)
+            return RendezvousInfo(store, 0, self.world_size,
+                                  RendezvousStoreInfo("127.0.0.1", self.master_port))
+
+        def get_backend(self) -> str:
+            return BACKEND
+
+    return LoopbackRendezvous("127.0.0.1", 0, 0, 1, params.run_id, 600)
+
+
+def main(argv: list[str]) -> None:
+    """``torch.distributed.run`` on one node with the loopback rendezvous."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.run import main as torchrun
+
+    from ..runtime.dist import loopback_interface
+
+    rendezvous_handler_registry.register(BACKEND, _create_handler)
+    if loopback_interface() and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    torchrun(["--nnodes", "1", "--rdzv-backend", BACKEND, "--rdzv-endpoint", "127.0.0.1:0",
+              *argv])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
