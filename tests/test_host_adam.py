@@ -201,6 +201,9 @@ def test_is_a_torch_optimizer():
     assert o.param_groups[0]["lr"] == 5e-3
     o.zero_grad()
     assert all(p.grad is None for p in params)
+    o.set_cast_output(params[0], torch.empty(SHAPES[0], dtype=torch.bfloat16))
+    twin = copy.deepcopy(o)  # torch pickles optimizers this way; casts stay behind
+    _run(twin, list(twin.param_groups[0]["params"]), range(1, 2))
 
 
 def test_bench_smoke(tmp_path):

@@ -118,6 +118,12 @@ class HostAdamW(torch.optim.Optimizer):
                         amsgrad=amsgrad, maximize=maximize, **_TORCH_KEYS)
         super().__init__(params, defaults)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled or deep-copied: torch's state, and no cast outputs (they are buffers of
+        the engine that registered them, not state)."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("_cast_out", {})
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch does, then refuse what the fused AdamW cannot do exactly."""
         super().add_param_group(param_group)
