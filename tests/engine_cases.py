@@ -183,7 +183,7 @@ def make_optimizer(kind: str, named, lr: float = 1e-2):
 
 def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: float | None = None,
           micros: int = 1, precision=None, use_no_sync: bool = False,
-          ddp_sync_every: bool = False):
+          ddp_sync_every: bool = False, shard_group=None):
     """Train with zeroshard (stage 0-3) or torch DDP (stage "ddp"); return the full
     weights, the losses, and for zeroshard the model and optimizer."""
     model = build(model_name)
@@ -198,6 +198,7 @@ def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: f
         units = ([model.wte, model.head, *model.blocks] if model_name == "gpt_tied_units"
                  else "blocks")
         net = zs.shard(model, stage=stage, mixed_precision=precision, units=units,
+                       shard_group=shard_group,
                        config={"param_persistence_threshold":
                                100 if model_name == "gpt_persist" else 0})
         opt = make_optimizer(optim, net.named_parameters(), lr)

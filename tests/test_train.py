@@ -172,6 +172,7 @@ ENGINE_FLAGS = {
     "broadcast_buffers": (["--no-broadcast-buffers"], False),
     "check_collectives": (["--no-check-collectives"], False),
     "nonfinite": (["--nonfinite", "raise"], "raise"),
+    "shard_group": (["--shard-group", "2"], 2),
 }
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..plan.hardware import GLOO_BROADCAST_MAX
 from . import watch
+from .groups import make_groups, shard_size, timeout_of
 from .ledger import Ledger
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
@@ -40,41 +41,42 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class Collectives:
-    """The data-parallel group: ``dp_rank``, ``dp_world`` and recorded collectives."""
+    """A model's process groups (``groups.py``) and every collective it issues on them,
+    recorded in the ledger by kind and level: ``"inside"`` a shard group, or
+    ``"across"`` shard groups (hybrid sharding's replica all-reduce)."""
 
-    def __init__(self, ledger: Ledger, group=None, check: bool = True):
+    def __init__(self, ledger: Ledger, group=None, check: bool = True, shard_group=None):
         self.ledger = ledger
-        self.group = group
+        self.group = group  # the data-parallel group (None: the world)
         self.dp_rank = dist.get_rank(group)
         self.dp_world = dist.get_world_size(group)
+        g = make_groups(group, shard_size(shard_group, self.dp_world))
+        self.shard_group, self.shard_rank, self.shard_world = g.shard, g.shard_rank, g.shard_world
+        self.replica_group, self.replica_rank, self.replica_world = (
+            g.replica, g.replica_rank, g.replica_world)
+        self.reduce_group = g.reduce  # gradient reductions inside the shard group only
+        self.control_group = g.control  # fingerprints and agreements
         self.global_ranks = (dist.get_process_group_ranks(group) if group is not None
                              else list(range(self.dp_world)))
         self.global_rank = dist.get_rank()
         self.group_name = dist.distributed_c10d._get_process_group_name(
             group if group is not None else dist.distributed_c10d._get_default_group())
         self.timeout_s = _timeout_s(group)
-        # One more group with the same ranks, for gradient reductions only.
-        self.reduce_group = _twin(group)
-        backend = str(dist.get_backend(group))
-        self._gloo = "gloo" in backend
-        # Fingerprints and small agreements (``agree``) on a gloo group of their own
-        # (host-side: no device synchronisation under NCCL, and never queued behind a
-        # large collective); on the fake test backend, the parameter group.
-        self.control_group = (_twin(group, backend="gloo") if backend in ("gloo", "nccl")
-                              else group)
+        self._gloo = "gloo" in str(dist.get_backend(group))
         self.check = check  # fingerprint every collective ([Note: fingerprints])
         # Where this rank is, for the fingerprints: the engine moves them on.
         self.seq, self.step, self.phase = 0, 0, "setting up"
         self.unit_names: list[str] = []
         self.trace: list[dict] | None = None  # profiling: one record per call
 
-    def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool, value: int = 0):
+    def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool, value: int = 0,
+               world: int | None = None, level: str = "inside"):
         """Record the call in the ledger (and, when profiling, in the collective trace),
         issue its fingerprint, then ``call()``, which issues the collective itself
         asynchronously and returns its work handle (None: the fingerprint is all)."""
         nbytes = t.numel() * t.element_size()
         if call is not None:  # an agreement is its fingerprint: recorded below
-            self.ledger.record(kind, nbytes, self.dp_world)
+            self.ledger.record(kind, nbytes, world or self.shard_world, level)
         self.seq += 1
         rec = None
         if self.trace is not None:
@@ -83,7 +85,8 @@ class Collectives:
         mine, rows, fp_work = watch.fingerprint(self, kind, unit, t.numel(), value), None, None
         if self.check or call is None:
             rows = torch.empty(self.dp_world, watch.WIDTH, dtype=torch.int64)
-            self.ledger.record("check", rows.numel() * rows.element_size(), self.dp_world)
+            self.ledger.record("check", rows.numel() * rows.element_size(), self.dp_world,
+                               "control")
             fp_work = _all_gather(rows.view(-1), mine, group=self.control_group, async_op=True)
         ticket = _Ticket(self, call() if call is not None else None, mine, fp_work, rows, rec)
         if not async_op:
@@ -93,45 +96,66 @@ class Collectives:
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, grads: bool = False,
                    async_op: bool = False, unit=None):
-        """Reduce ``t`` over ranks in place (a sum unless ``op`` says otherwise)."""
-        group = self.reduce_group if grads else self.group
-        return self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
-            t, op=op, group=group, async_op=True), async_op)
+        """Reduce ``t`` in place (a sum unless ``op`` says otherwise) over the shard group:
+        what every rank's shards add up to. With ``grads``, over the whole data-parallel
+        group (every rank's gradients), on the reduction group, then across replicas."""
+        group = self.reduce_group if grads else self.shard_group
+        after = self._across(t) if grads else None
+        return self._issue("all_reduce", t, unit, lambda: _Then(dist.all_reduce(
+            t, op=op, group=group, async_op=True), then=after), async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, mean: bool = False,
                        async_op: bool = False, unit=None):
-        """``out`` (1/N of ``inp``) receives the sum over ranks of this rank's slot, or
-        with ``mean`` that sum divided by N (in the wait, the same bits as dividing after
-        it). On gloo ``inp`` is summed in place (every slot: it holds the sums afterwards)
-        and the slot lands in ``out`` divided and copied in one pass."""
-        n = self.dp_world
+        """``out`` (1/K of ``inp``, K the shard group's size) receives the sum over the
+        data-parallel group of this rank's slot — summed inside the shard group, then
+        across the replica groups — or with ``mean`` that sum divided by N (in the wait,
+        the same bits as dividing after it). On gloo ``inp`` is summed in place (every
+        slot: it holds the shard group's sums afterwards) and the slot lands in ``out``
+        divided and copied in one pass."""
+        n, k = self.dp_world, self.shard_world
+        across = self._across(out.view(-1))
         if self._on_gloo(inp):  # [Note: gloo]
             def call():
                 work = dist.all_reduce(inp, group=self.reduce_group, async_op=True)
-                slot, dst = inp.view(n, -1)[self.dp_rank], out.view(-1)
-                return _Then(work, then=(lambda: torch.div(slot, n, out=dst)) if mean
-                             else (lambda: dst.copy_(slot)))
+                slot, dst = inp.view(k, -1)[self.shard_rank], out.view(-1)
+                if mean and across is None:
+                    return _Then(work, then=lambda: torch.div(slot, n, out=dst))
+                return _Then(work, then=lambda: _chain(dst.copy_(slot), across,
+                                                       n if mean else None))
         else:
             def call():
                 work = _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
                                        async_op=True)
-                return _Then(work, then=lambda: out.div_(n)) if mean else work
+                return _Then(work, then=lambda: _chain(out, across, n if mean else None))
         return self._issue("reduce_scatter", inp, unit, call, async_op)
+
+    def _across(self, t: torch.Tensor):
+        """Hybrid sharding: the all-reduce of ``t`` over the replica group that follows
+        a reduction inside the shard group ([Note: hybrid sharding] in ``groups.py``),
+        issued once that lands; None without replicas."""
+        if self.replica_group is None:
+            return None
+
+        def across():
+            self._issue("all_reduce", t, None, lambda: dist.all_reduce(
+                t, group=self.replica_group, async_op=True), False,
+                world=self.replica_world, level="across")
+        return across
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
                    unit=None):
-        """``out`` (N × ``inp``) receives every rank's ``inp`` in rank order."""
-        if self._on_gloo(out) and self.dp_world <= GLOO_BROADCAST_MAX:  # [Note: gloo]
+        """``out`` (K × ``inp``) receives every shard-group rank's ``inp`` in rank order."""
+        k, group = self.shard_world, self.shard_group
+        if self._on_gloo(out) and k <= GLOO_BROADCAST_MAX:  # [Note: gloo]
             def call():
-                slots = out.view(self.dp_world, -1)  # [N, numel(inp)]
-                if slots[self.dp_rank].data_ptr() != inp.data_ptr():
-                    slots[self.dp_rank].copy_(inp.view(-1))
-                return _Then(*[dist.broadcast(slots[k], group_src=k, group=self.group,
-                                              async_op=True) for k in range(self.dp_world)])
+                slots = out.view(k, -1)  # [K, numel(inp)]
+                if slots[self.shard_rank].data_ptr() != inp.data_ptr():
+                    slots[self.shard_rank].copy_(inp.view(-1))
+                return _Then(*[dist.broadcast(slots[j], group_src=j, group=group,
+                                              async_op=True) for j in range(k)])
         else:
             def call():
-                return _all_gather(out.view(-1), inp.view(-1), group=self.group,
-                                   async_op=True)
+                return _all_gather(out.view(-1), inp.view(-1), group=group, async_op=True)
         return self._issue("all_gather", out, unit, call, async_op)
 
     def agree(self, value: int):
@@ -143,51 +167,26 @@ class Collectives:
         return lambda: (ticket.wait(), ticket.rows[:, -1].tolist())[1]
 
     def _on_gloo(self, t: torch.Tensor) -> bool:
-        return self._gloo and t.device.type == "cpu" and self.dp_world > 1
+        return self._gloo and t.device.type == "cpu" and self.shard_world > 1
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``t`` to every rank."""
         root = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._issue("broadcast", t, None, lambda: dist.broadcast(
-            t, src=root, group=self.group, async_op=True), False)
+            t, src=root, group=self.group, async_op=True), False, world=self.dp_world)
 
 
-def _twin(group, backend=None):
-    """A new process group with the ranks of ``group``, created on every rank of the
-    world (``zs.shard`` is a collective of the whole world). Ranks in other data-parallel
-    groups (HSDP's replicas) pass other groups at the same moment, so the rank lists are
-    exchanged first and every rank creates every twin, in one order: torch names a
-    group by its creation order, so a group created by its members alone could get
-    another name on each of them and never meet."""
-    world = dist.get_world_size()
-    timeout = _timeout_of(group)  # torch gives a new group 30 minutes, not its parent's
-    if group is None or dist.get_world_size(group) == world:
-        return dist.new_group(backend=backend, timeout=timeout)  # the world, in world order
-    mine = dist.get_process_group_ranks(group)
-    every: list = [None] * world
-    dist.all_gather_object(every, mine)
-    twin = None
-    for ranks in sorted({tuple(r) for r in every}):
-        created = dist.new_group(list(ranks), backend=backend, timeout=timeout)
-        if list(ranks) == mine:
-            twin = created
-    return twin
-
-
-def _timeout_of(group):
-    """The timeout of ``group`` (the default group's when None), as its backend holds it;
-    None (torch's default) where the backend does not say."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout
-        except (RuntimeError, AttributeError):
-            continue
-    return None
+def _chain(t: torch.Tensor, across, divisor) -> None:
+    """After a reduction inside the shard group: the all-reduce across replica groups
+    (if any), then the division into a mean (if asked)."""
+    if across is not None:
+        across()
+    if divisor is not None:
+        t.div_(divisor)
 
 
 def _timeout_s(group) -> float | None:
-    timeout = _timeout_of(group)
+    timeout = timeout_of(group)
     return timeout.total_seconds() if timeout is not None else None
 
 

@@ -24,6 +24,7 @@ DEEPSPEED_KEYS = {
     "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
+    "zero_optimization.mics_shard_size": "shard_group",
 }
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16")
 
@@ -88,6 +89,15 @@ class ZeroConfig:
     differ (``runtime/watch.py``). Ranks out of step (one more micro-batch on one rank,
     a mixture of experts routing per rank at stage 3) would otherwise pair unlike
     collectives: wrong weights when the sizes agree, a wait until the timeout when not."""
+    shard_group: Any = None
+    """Hybrid sharding ([Note: hybrid sharding] in ``groups.py``): None shards over every
+    data-parallel rank; an integer K (dividing the N ranks) shards over groups of K
+    consecutive ranks and replicates across the N / K groups — gathers and
+    reduce-scatters stay inside a group, one all-reduce of each reduced shard crosses
+    between groups — at the price of a memory floor of 16P / K instead of 16P / N;
+    "node" is K = the ranks per machine (``LOCAL_WORLD_SIZE``); a torch ``DeviceMesh``
+    with dims ("replicate", "shard") gives K as its "shard" size. DeepSpeed's
+    ``mics_shard_size``, FSDP2's HSDP."""
     nonfinite: str = "raise"
     """What the optimizer step does when a reduced gradient holds a NaN or inf, decided
     alike on every rank in one small exchange (free when the cycle was clipped: the
@@ -124,6 +134,15 @@ class ZeroConfig:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"{name}={t!r} must be an integer >= 0")
+        sg = self.shard_group
+        if isinstance(sg, str) and sg.isdigit():  # the command line's and JSON's form
+            sg = int(sg)
+            object.__setattr__(self, "shard_group", sg)
+        if not (sg is None or sg == "node" or type(sg).__name__ == "DeviceMesh" or (
+                isinstance(sg, int) and not isinstance(sg, bool) and sg >= 1)):
+            raise ValueError(f"shard_group={sg!r}; expected None, an integer >= 1 dividing "
+                             "the data-parallel ranks, 'node' or a DeviceMesh with dims "
+                             "('replicate', 'shard')")
         if self.nonfinite not in POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, POLICIES))}")
@@ -176,6 +195,8 @@ class ZeroConfig:
             v = kwargs.get(name)
             if isinstance(v, float) and v.is_integer():
                 kwargs[name] = int(v)
+        if kwargs.get("shard_group") == -1:  # DeepSpeed's default: MiCS off
+            del kwargs["shard_group"]
         try:
             return cls(**kwargs)
         except ValueError as exc:  # name the DeepSpeed key the value came from

@@ -39,20 +39,37 @@ def ring_bytes(kind: str, nbytes: int, world: int) -> int:
 
 
 class Ledger:
-    """Calls and bytes sent per collective kind; reset with :meth:`reset`."""
+    """Calls and bytes sent per collective kind and level (``"inside"`` a shard group,
+    ``"across"`` shard groups, ``"control"``: the engine's checks); reset with
+    :meth:`reset`."""
 
     def __init__(self) -> None:
-        self.calls: Counter[str] = Counter()
-        self.sent: Counter[str] = Counter()
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.sent: Counter[tuple[str, str]] = Counter()
 
-    def record(self, kind: str, nbytes: int, world: int) -> None:
-        self.calls[kind] += 1
-        self.sent[kind] += ring_bytes(kind, nbytes, world)
+    def record(self, kind: str, nbytes: int, world: int, level: str = "inside") -> None:
+        self.calls[kind, level] += 1
+        self.sent[kind, level] += ring_bytes(kind, nbytes, world)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        """``{kind: {"calls": n, "bytes": sent}}`` for every kind used so far."""
-        return {k: {"calls": self.calls[k], "bytes": self.sent[k]}
-                for k in COLLECTIVES if self.calls[k]}
+        """``{kind: {"calls": n, "bytes": sent}}`` for every kind used so far, over all
+        levels."""
+        out = {}
+        for k in COLLECTIVES:
+            calls = sum(v for (kind, _), v in self.calls.items() if kind == k)
+            if calls:
+                out[k] = {"calls": calls,
+                          "bytes": sum(v for (kind, _), v in self.sent.items() if kind == k)}
+        return out
+
+    def by_level(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{level: {kind: {"calls": n, "bytes": sent}}}``: inside the shard groups and
+        across them (hybrid sharding), and the engine's checks."""
+        out: dict = {}
+        for (kind, level), calls in sorted(self.calls.items()):
+            out.setdefault(level, {})[kind] = {"calls": calls,
+                                               "bytes": self.sent[kind, level]}
+        return out
 
     def reset(self) -> None:
         self.calls.clear()

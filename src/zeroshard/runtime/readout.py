@@ -158,9 +158,11 @@ class Readout:
         ``optimizer``), padding, and the transient gathered and buffers."""
         return measure(self.units, optimizer)
 
-    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, int]]:
-        """Per collective kind: calls and bytes this rank sent (ring accounting)."""
-        stats = self.ledger.comm_stats()
+    def comm_stats(self, reset: bool = False, by_level: bool = False) -> dict:
+        """Per collective kind: calls and bytes this rank sent (ring accounting). With
+        ``by_level``, per level first: ``"inside"`` the shard groups, ``"across"`` them
+        (hybrid sharding's replica all-reduce), ``"control"`` (the engine's checks)."""
+        stats = self.ledger.by_level() if by_level else self.ledger.comm_stats()
         if reset:
             self.ledger.reset()
         return stats

@@ -27,7 +27,7 @@ def issue_reduce(units: list[Unit]) -> None:
     if not units:
         return
     first = units[0]  # the units of a model share one policy and one recipe
-    n, comm = first.comm.dp_world, first.comm
+    n, comm = first.comm.shard_world, first.comm  # slots: the shard group's ranks
     tensors, spans, base = [], [], 0
     for u in units:
         grads, flags = u.local_grads()

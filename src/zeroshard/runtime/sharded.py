@@ -73,7 +73,8 @@ class ShardedModel(Stepping, Readout, nn.Module):
         # meta tensors stay where they are: units materialize them one at a time
         module._apply(lambda t: t if t.is_meta else t.to(device))
         check_same_model(module, config)
-        self.comm = Collectives(self.ledger, group, check=config.check_collectives)
+        self.comm = Collectives(self.ledger, group, check=config.check_collectives,
+                                shard_group=config.shard_group)
         if config.sync_module_states:
             with torch.no_grad():
                 broadcast_state(module, self.comm)

@@ -28,15 +28,15 @@ class Unit(UnitView):
         self.params = [p for _, p in named_params]
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         # rank and world of the optimizer state's shard group (a group of one at stage 0)
-        self.rank, self.world = policy.shard_coords(comm.dp_rank, comm.dp_world)
+        self.rank, self.world = policy.shard_coords(comm.shard_rank, comm.shard_world)
         self.w_layout = ShardLayout([tuple(p.shape) for p in self.params], self.world)
         self.g_layout = ShardLayout([tuple(self.params[i].shape) for i in self.trainable],
                                     self.world)
-        # Gradients always travel in the N-slot layout, stage 0 included: on gloo a
-        # reduce-scatter is an all-reduce of its input (collectives.py), so stage 0's
-        # all-reduce of the same buffer sums every element in the same order, and stage 0
-        # matches stages 1-3 bit for bit.
-        self.r_layout = ShardLayout([s.shape for s in self.g_layout.slots], comm.dp_world)
+        # Gradients always travel in the K-slot layout of the shard group, stage 0
+        # included: on gloo a reduce-scatter is an all-reduce of its input
+        # (collectives.py), so stage 0's all-reduce of the same buffer sums every element
+        # in the same order, and stage 0 matches stages 1-3 bit for bit.
+        self.r_layout = ShardLayout([s.shape for s in self.g_layout.slots], comm.shard_world)
         self.compute_dtype = TORCH_DTYPES[recipe.param_dtype]
         self.grad_dtype = TORCH_DTYPES[recipe.grad_dtype]
         self.reduce_dtype = TORCH_DTYPES[recipe.reduce_dtype or recipe.grad_dtype]
@@ -188,10 +188,10 @@ class Unit(UnitView):
         work.wait()
         self._in_flight = None
         self.events.emit("reduce_done", self)
-        S, n = self.r_layout.slot_numel, self.comm.dp_world
+        S = self.r_layout.slot_numel
         full = self.policy.full_grads
-        if full is FullGrads.AVERAGED:  # [N, S + F]: every slot, averaged into full grads
-            flags = out[0, S:] / n
+        if full is FullGrads.AVERAGED:  # [K, S + F]: every slot, averaged into full grads
+            flags = out[0, S:]  # summed over every rank: > 0 where any rank saw it
             self._land_full_grads(out[:, :S], (flags > 0).tolist())
         else:  # [S + F]: this rank's slot, already averaged by the reduce-scatter
             flags, reduced = out[S:], out[:S]
@@ -206,9 +206,10 @@ class Unit(UnitView):
         self.fresh = False
 
     def _land_full_grads(self, summed: torch.Tensor, present: list[bool]) -> None:
-        """Averaged full gradients (stage 0): the summed [N, S] buffer, divided by N.
+        """Averaged full gradients (stage 0): the summed [K, S] buffer (K slots of the
+        shard group, summed over all N ranks), divided by N.
 
-        Each gradient gets a padded storage [N, c·row] (the weights' layout), so its
+        Each gradient gets a padded storage [K, c·row] (the weights' layout), so its
         column range of the buffer lands in one pass that divides, casts to the stored
         dtype and copies at once (the same quotient, rounded once, as dividing the buffer
         first). The local gradients were freed when the reduction was issued, so this
@@ -216,13 +217,13 @@ class Unit(UnitView):
         (``present[j]`` false; reading the flags is a host synchronisation the maths
         needs) keeps no gradient: a zero one would count as seen in the next backward
         of the cycle and be stepped with weight decay."""
-        n = self.comm.dp_world
+        n, k = self.comm.dp_world, self.comm.shard_world
         for j, i in enumerate(self.trainable):
             if not present[j]:
                 continue
             slot = self.r_layout.slots[j]
-            buf = torch.empty(n, slot.chunk_numel, dtype=self.grad_dtype,
-                              device=self.device)  # [N, c·row], padded
+            buf = torch.empty(k, slot.chunk_numel, dtype=self.grad_dtype,
+                              device=self.device)  # [K, c·row], padded
             torch.div(summed[:, slot.offset:slot.offset + slot.chunk_numel], n, out=buf)
             self.params[i].grad = buf.view(-1)[:slot.numel].view(self.params[i].shape)
 

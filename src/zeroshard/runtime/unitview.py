@@ -46,16 +46,17 @@ class UnitView:
 
     def norm_grads(self) -> list[torch.Tensor]:
         """The part of each shard's gradient this rank counts in a global norm: its own
-        rows, or where the shard is whole (stage 0) the rows it would own at
-        ``dp_world`` ranks, so every stage sums the same partial norms."""
+        rows, or where the shard is whole (stage 0) the rows it would own in its shard
+        group, so every stage sums the same partial norms (summed over the shard group:
+        the replica groups hold the same rows)."""
         out = []
         for i in self.trainable:
             g = self.shards[i].grad
             if g is None:
                 continue
-            if self.world == 1 and self.comm.dp_world > 1:
+            if self.world == 1 and self.comm.shard_world > 1:
                 rows = self.params[i].shape[0] if self.params[i].dim() else 1
-                a, b = dim0_chunk(rows, self.comm.dp_rank, self.comm.dp_world)
+                a, b = dim0_chunk(rows, self.comm.shard_rank, self.comm.shard_world)
                 g = g.reshape(rows, -1)[a:b]
             out.append(g)
         return out

@@ -1,0 +1,173 @@
+"""Hybrid sharding on real gloo ranks, N = 4 as 2 shard groups of 2 (and the degenerate
+1 x 4 and 4 x 1): every stage within 1e-6 of torch DDP after 20 AdamW steps, the stages
+of one grouping bit for bit equal to each other; memory per category is the planner's
+at K ranks; bytes per level are the collectives' own."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard as zs
+from zeroshard.plan import get_recipe, model_state_bytes
+from zeroshard.plan.memory import comm_bytes, ring_all_reduce
+from zeroshard.runtime.spawn import spawn
+
+from . import engine_cases as cases
+
+pytestmark = pytest.mark.dist
+
+GROUPINGS = (2, 1, 4)  # K: ranks per shard group (N = 4)
+
+
+def _one_step(net, opt):
+    """Memory at the step (every category live) and bytes per level of one step."""
+    net.comm_stats(reset=True)
+    net(*cases.batch("mlp", 99)).backward()
+    seen = []
+    hook = opt.register_step_pre_hook(lambda o, a, k: seen.append(net.memory(o)))
+    opt.step()
+    hook.remove()
+    opt.zero_grad()
+    return seen[0], net.comm_stats(by_level=True)
+
+
+def _grid():
+    ref = cases.train("mlp", "ddp", steps=20)[0]
+    out = {}
+    for k in GROUPINGS:
+        for stage in range(4):
+            weights, _, net, opt = cases.train("mlp", stage, steps=20, shard_group=k)
+            memory, levels = _one_step(net, opt)
+            slots = [(u.r_layout.slot_numel, len(u.trainable), u.w_layout.slot_numel,
+                      u.g_layout.slot_numel) for u in net.units]
+            out[(k, stage)] = {"diff": cases.max_rel_diff(weights, ref), "weights": weights,
+                               "memory": memory, "levels": levels, "slots": slots}
+    return out
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return spawn(_grid, 4, timeout=600)
+
+
+@pytest.mark.parametrize("k", GROUPINGS)
+def test_every_stage_matches_ddp(grid, k):
+    for stage in range(4):
+        assert grid[0][(k, stage)]["diff"] < cases.TOL, (k, stage, grid[0][(k, stage)]["diff"])
+
+
+@pytest.mark.parametrize("k", GROUPINGS)
+def test_stages_of_one_grouping_are_bit_for_bit_equal(grid, k):
+    for r in grid:
+        assert all(cases.bit_equal(r[(k, s)]["weights"], r[(k, 0)]["weights"])
+                   for s in range(1, 4))
+    # and the replicas agree: rank r and rank r + K hold the same weights
+    assert all(cases.bit_equal(grid[r][(k, 3)]["weights"], grid[0][(k, 3)]["weights"])
+               for r in range(4))
+
+
+def test_the_two_level_sum_is_the_flat_sum_at_two_ranks_a_level(grid):
+    """2 x 2: each level adds two numbers, so the same bits as plain ZeRO over 4 (1 x 4
+    adds the same four numbers in a ring of four: not always the same bits)."""
+    assert cases.max_rel_diff(grid[0][(2, 3)]["weights"], grid[0][(4, 3)]["weights"]) < 1e-6
+
+
+@pytest.mark.parametrize("k", GROUPINGS)
+@pytest.mark.parametrize("stage", range(4))
+def test_memory_per_category_is_the_planners_at_k_ranks(grid, k, stage):
+    """A sharded category: each shard group holds it once in all (the planner's
+    per-rank figure is that over K, rounded up; rows divide unevenly over 4); a whole
+    one: every rank holds all of it."""
+    params = sum(p.numel() for p in cases.build("mlp").parameters())
+    recipe = get_recipe("fp32-adamw")
+    planned = model_state_bytes(params, k, recipe, stage)
+    totals = model_state_bytes(params, 1, recipe, stage)
+    for cat, plan, total in zip(("params", "grads", "optimizer"), planned, totals):
+        got = [grid[r][(k, stage)]["memory"][cat] for r in range(4)]
+        if plan == total:
+            assert got == [total] * 4, (cat, got)
+        else:
+            assert plan == -(-total // k)
+            assert [sum(got[g * k:(g + 1) * k]) for g in range(4 // k)] == [total] * (4 // k), (
+                cat, got)
+
+
+@pytest.mark.parametrize("k", GROUPINGS)
+@pytest.mark.parametrize("stage", range(4))
+def test_bytes_per_level(grid, k, stage):
+    """Inside the shard groups: each unit's reduction of K padded slots plus one presence
+    flag per parameter in each, and its gathers (stages 1-2 after the step, stage 3
+    twice) — the planner's bytes for K ranks plus the flags where nothing is padded;
+    across them: one all-reduce of each reduced slot (stage 0: of the whole buffer) over
+    the R = 4 / K replicas."""
+    from zeroshard.plan.memory import ring_one_way
+
+    r = grid[0][(k, stage)]
+    levels, slots = r["levels"], r["slots"]
+    if stage == 0:
+        want = sum(ring_all_reduce(4 * k * (s + f), k) for s, f, _, _ in slots)
+    else:
+        gathers = [2 * w if stage == 3 else g for _, _, w, g in slots]
+        want = sum(ring_one_way(4 * k * (s + f), k) for s, f, _, _ in slots) + sum(
+            ring_one_way(4 * k * w, k) for w in gathers)
+    inside = sum(v["bytes"] for v in levels.get("inside", {}).values())
+    assert inside == want, levels
+    params = sum(p.numel() for p in cases.build("mlp").parameters())
+    if k * sum(s for s, _, _, _ in slots) == params:  # nothing padded: the planner's
+        flags = sum(f for _, f, _, _ in slots) * 4 * (k - 1) * (2 if stage == 0 else 1)
+        assert inside == comm_bytes(params, k, get_recipe("fp32-adamw"), stage) + flags
+    reps = 4 // k
+    across = levels.get("across", {})
+    if reps == 1:
+        assert not across, levels
+        return
+    width = [(s + f) * (k if stage == 0 else 1) for s, f, _, _ in slots]
+    assert across == {"all_reduce": {"calls": len(slots), "bytes": sum(
+        ring_all_reduce(4 * w, reps) for w in width)}}, levels
+
+
+def _bad_group():
+    try:
+        zs.shard(cases.build("mlp"), stage=3, shard_group=3)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_group_that_does_not_divide_n_is_named():
+    msg = spawn(_bad_group, 4, timeout=60)[0]
+    assert "shard_group=3 gives shard groups of 3 ranks, which do not divide the 4 " \
+           "data-parallel ranks; expected one of [1, 2, 4]" in msg, msg
+    with pytest.raises(ValueError, match=r"shard_group=0; expected None, an integer >= 1"):
+        zs.ZeroConfig(shard_group=0)
+    assert dist.is_available() and torch.__version__
+
+
+def test_two_nodes_of_two_train_sharded_per_node(tmp_path):
+    """``zeroshard train --shard-group node`` under torchrun with two nodes of two
+    processes, both started on this machine (node ranks from the rendezvous): each node
+    is a shard group (K = LOCAL_WORLD_SIZE = 2), replicated across the two."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+           "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--rdzv-id", "hybrid-test", "-m", "zeroshard", "train",
+           "--model", "tiny", "--steps", "4", "--batch", "8", "--eval-every", "100",
+           "--sample-chars", "0", "--shard-group", "node", "--json-log", str(log)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for _ in range(2)]
+    outs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["loss"] == r["loss"] and r["loss"] < 6 for r in rows), rows
+    assert "4 processes" in "".join(outs), outs
