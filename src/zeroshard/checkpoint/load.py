@@ -54,7 +54,7 @@ def load(model, optimizer, path: str | Path) -> dict:
     """Load a checkpoint written by :func:`save` at any N and stage into ``model`` and
     ``optimizer``; return its ``extra``. ``path`` is a checkpoint or a directory with a
     ``latest`` pointer."""
-    rank, world = model.comm.dp_rank, model.comm.dp_world
+    rank, world = model.comm.shard_rank, model.comm.shard_world  # (replicas read alike)
     problem, manifest, ckpt, plan = None, None, None, []
     try:
         ckpt = resolve(path)

@@ -130,13 +130,17 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
 
     A failure on any rank (a full disk, a folder made read-only) is one
     :class:`SaveFailed` on every rank, with the unfinished ``.partial`` folder removed
-    and ``latest`` still naming the last complete checkpoint."""
-    rank, world = model.comm.dp_rank, model.comm.dp_world
+    and ``latest`` still naming the last complete checkpoint.
+
+    Under hybrid sharding the ranks of the first shard group write (rows by their place
+    in the group, K files); the replica groups hold the same rows and write nothing."""
+    rank, world = model.comm.shard_rank, model.comm.shard_world
+    writer = model.comm.replica_rank == 0
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     model.synchronize()
     problem = None
-    if rank == 0:
+    if model.comm.dp_rank == 0:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
@@ -145,16 +149,17 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     _agree_saved(model, problem, partial)
     problem, files = None, None
     try:
-        files = _write_rows(model, optimizer, partial, rank, world)
+        files = _write_rows(model, optimizer, partial, rank, world) if writer else None
     except OSError as exc:
-        problem = f"rank {rank}: {exc.filename or partial}: {exc.strerror or exc}"
+        problem = (f"rank {model.comm.dp_rank}: {exc.filename or partial}: "
+                   f"{exc.strerror or exc}")
     _agree_saved(model, problem, partial)
-    every = [None] * world
+    every = [None] * model.comm.dp_world
     dist.all_gather_object(every, files, group=model.comm.group)
     problem = None
-    if rank == 0:
+    if model.comm.dp_rank == 0:
         try:
-            _publish(model, optimizer, path, partial, every, extra or {})
+            _publish(model, optimizer, path, partial, [f for f in every if f], extra or {})
         except OSError as exc:
             problem = f"{exc.filename or path}: {exc.strerror or exc}"
     _agree_saved(model, problem, partial)
@@ -212,7 +217,7 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
                  and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
         groups.append({**hyper, "params": [names[id(p)] for p in g["params"]]})
     manifest = {
-        "format": FORMAT, "version": 1, "world": model.comm.dp_world,
+        "format": FORMAT, "version": 1, "world": model.comm.shard_world,
         "stage": model.zero_config.stage, "recipe": model.zero_config.recipe.name,
         "params": {e.name: {"shape": list(e.shape), "dtype": str(e.source.dtype)[6:],
                             "trainable": e.trainable} for e in entries(model)},
