@@ -229,3 +229,60 @@ def test_checkpoints_load_across_groupings_n_and_stages(tmp_path):
     assert manifest["world"] == 2 and sorted(manifest["files"]) == [
         "rank00000.safetensors", "rank00001.safetensors"]  # one shard group wrote
     assert cases.bit_equal(spawn(_load_at_two, 2, str(tmp_path), timeout=120)[0], r["hybrid"])
+
+
+def _hpz():
+    """Stage 3 over 4 with secondary groups of 2 (hpZ), against plain stage 3; and the
+    ledger's backward gathers inside the secondary group."""
+    out = {}
+    for k2 in (None, 2):
+        net = zs.shard(cases.build("mlp"), stage=3, secondary_group=k2)
+        opt = cases.make_optimizer("adamw", net.named_parameters(), 1e-2)
+        for step in range(20):
+            net(*cases.batch("mlp", step)).backward()
+            opt.step()
+            opt.zero_grad()
+        weights = net.full_state_dict()
+        net.comm_stats(reset=True)
+        loss = net(*cases.batch("mlp", 99))
+        kept = sum(u.memory()["gathered"] for u in net.units)  # between forward and backward
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out[k2] = {"weights": weights, "levels": net.comm_stats(by_level=True),
+                   "slots": [u.w_layout.slot_numel for u in net.units], "kept": kept}
+    return out
+
+
+def test_hpz_gathers_backward_inside_the_secondary_group():
+    from zeroshard.plan.memory import ring_one_way
+
+    r = spawn(_hpz, 4, timeout=300)
+    ref = spawn(_ddp20, 4, timeout=120)[0]
+    for rank in r:
+        assert cases.bit_equal(rank[2]["weights"], rank[None]["weights"])  # same bits
+    assert cases.max_rel_diff(r[0][2]["weights"], ref) < cases.TOL
+    levels, slots = r[0][2]["levels"], r[0][2]["slots"]
+    # forward: every unit gathered over the 4; backward: over the 2 of the secondary group
+    assert levels["inside"]["all_gather"] == {
+        "calls": len(slots), "bytes": sum(ring_one_way(4 * 4 * s, 4) for s in slots)}
+    assert levels["secondary"]["all_gather"] == {
+        "calls": len(slots), "bytes": sum(ring_one_way(4 * 4 * s, 2) for s in slots)}
+    assert r[0][None]["levels"]["inside"]["all_gather"]["calls"] == 2 * len(slots)
+    # after the forward each rank keeps half of every unit's 4 slots for its backward
+    assert r[0][2]["kept"] == sum(4 * 2 * s for s in slots) and r[0][None]["kept"] == 0
+
+
+def _ddp20():
+    return cases.train("mlp", "ddp", steps=20)[0]
+
+
+def test_hpz_needs_stage_3_and_a_divisor():
+    with pytest.raises(ValueError, match=r"secondary_group=2 \(hpZ\) keeps gathered weights "
+                                         r"between forward and backward, which only stage 3"):
+        zs.ZeroConfig(stage=2, secondary_group=2)
+    from zeroshard.runtime.groups import secondary_size
+
+    with pytest.raises(ValueError, match=r"secondary_group=3 does not divide the shard "
+                                         r"group's 4 ranks; expected one of \[1, 2, 4\]"):
+        secondary_size(3, 4)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..plan.hardware import GLOO_BROADCAST_MAX
 from . import watch
-from .groups import make_groups, shard_size, timeout_of
+from .groups import make_groups, secondary_size, shard_size, timeout_of
 from .ledger import Ledger
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
@@ -45,16 +45,20 @@ class Collectives:
     recorded in the ledger by kind and level: ``"inside"`` a shard group, or
     ``"across"`` shard groups (hybrid sharding's replica all-reduce)."""
 
-    def __init__(self, ledger: Ledger, group=None, check: bool = True, shard_group=None):
+    def __init__(self, ledger: Ledger, group=None, check: bool = True, shard_group=None,
+                 secondary_group=None):
         self.ledger = ledger
         self.group = group  # the data-parallel group (None: the world)
         self.dp_rank = dist.get_rank(group)
         self.dp_world = dist.get_world_size(group)
-        g = make_groups(group, shard_size(shard_group, self.dp_world))
+        k = shard_size(shard_group, self.dp_world)
+        g = make_groups(group, k, secondary_size(secondary_group, k))
         self.shard_group, self.shard_rank, self.shard_world = g.shard, g.shard_rank, g.shard_world
         self.replica_group, self.replica_rank, self.replica_world = (
             g.replica, g.replica_rank, g.replica_world)
         self.reduce_group = g.reduce  # gradient reductions inside the shard group only
+        self.secondary_group, self.secondary_rank, self.secondary_world = (
+            g.secondary, g.secondary_rank, g.secondary_world)  # hpZ (world 0: none)
         self.control_group = g.control  # fingerprints and agreements
         self.global_ranks = (dist.get_process_group_ranks(group) if group is not None
                              else list(range(self.dp_world)))
@@ -143,20 +147,25 @@ class Collectives:
         return across
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
-                   unit=None):
-        """``out`` (K × ``inp``) receives every shard-group rank's ``inp`` in rank order."""
+                   unit=None, secondary: bool = False):
+        """``out`` (K × ``inp``) receives every shard-group rank's ``inp`` in rank order;
+        with ``secondary`` (hpZ), every secondary-group rank's (K2 × ``inp``)."""
         k, group = self.shard_world, self.shard_group
-        if self._on_gloo(out) and k <= GLOO_BROADCAST_MAX:  # [Note: gloo]
+        if secondary:
+            k, group = self.secondary_world, self.secondary_group
+        rank = self.secondary_rank if secondary else self.shard_rank
+        if self._gloo and out.device.type == "cpu" and 1 < k <= GLOO_BROADCAST_MAX:  # gloo
             def call():
                 slots = out.view(k, -1)  # [K, numel(inp)]
-                if slots[self.shard_rank].data_ptr() != inp.data_ptr():
-                    slots[self.shard_rank].copy_(inp.view(-1))
+                if slots[rank].data_ptr() != inp.data_ptr():
+                    slots[rank].copy_(inp.view(-1))
                 return _Then(*[dist.broadcast(slots[j], group_src=j, group=group,
                                               async_op=True) for j in range(k)])
         else:
             def call():
                 return _all_gather(out.view(-1), inp.view(-1), group=group, async_op=True)
-        return self._issue("all_gather", out, unit, call, async_op)
+        return self._issue("all_gather", out, unit, call, async_op, world=k,
+                           level="secondary" if secondary else "inside")
 
     def agree(self, value: int):
         """Start gathering every rank's ``value`` (one small all-gather on the host, with

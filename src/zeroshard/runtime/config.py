@@ -25,6 +25,7 @@ DEEPSPEED_KEYS = {
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
     "zero_optimization.mics_shard_size": "shard_group",
+    "zero_optimization.zero_hpz_partition_size": "secondary_group",
 }
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16")
 
@@ -98,6 +99,13 @@ class ZeroConfig:
     "node" is K = the ranks per machine (``LOCAL_WORLD_SIZE``); a torch ``DeviceMesh``
     with dims ("replicate", "shard") gives K as its "shard" size. DeepSpeed's
     ``mics_shard_size``, FSDP2's HSDP."""
+    secondary_group: int | None = None
+    """Stage 3, hpZ (ZeRO++'s hierarchical partitioning, DeepSpeed's
+    ``zero_hpz_partition_size``): after a unit's forward its weights are kept as a
+    secondary shard over groups of this many consecutive ranks (dividing the shard
+    group), so backward gathers stay inside that group — on the fast links — instead of
+    crossing the whole shard group. Costs the unit's weights / K2 per rank from its
+    forward to its backward. None: off."""
     nonfinite: str = "raise"
     """What the optimizer step does when a reduced gradient holds a NaN or inf, decided
     alike on every rank in one small exchange (free when the cycle was clipped: the
@@ -143,6 +151,17 @@ class ZeroConfig:
             raise ValueError(f"shard_group={sg!r}; expected None, an integer >= 1 dividing "
                              "the data-parallel ranks, 'node' or a DeviceMesh with dims "
                              "('replicate', 'shard')")
+        k2 = self.secondary_group
+        if isinstance(k2, str) and k2.isdigit():  # the command line's and JSON's form
+            k2 = int(k2)
+            object.__setattr__(self, "secondary_group", k2)
+        if k2 is not None and (isinstance(k2, bool) or not isinstance(k2, int) or k2 < 1):
+            raise ValueError(f"secondary_group={k2!r}; expected None or an integer >= 1 "
+                             "dividing the shard group")
+        if k2 is not None and self.stage != 3:
+            raise ValueError(f"secondary_group={k2} (hpZ) keeps gathered weights between "
+                             f"forward and backward, which only stage 3 releases; got "
+                             f"stage={self.stage}: use stage 3 or drop secondary_group")
         if self.nonfinite not in POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, POLICIES))}")
@@ -197,6 +216,8 @@ class ZeroConfig:
                 kwargs[name] = int(v)
         if kwargs.get("shard_group") == -1:  # DeepSpeed's default: MiCS off
             del kwargs["shard_group"]
+        if kwargs.get("secondary_group") == 1:  # DeepSpeed's default: hpZ off
+            del kwargs["secondary_group"]
         try:
             return cls(**kwargs)
         except ValueError as exc:  # name the DeepSpeed key the value came from

@@ -42,8 +42,24 @@ class Groups:
     replica_world: int
     reduce: object
     """A twin of ``shard`` for gradient reductions only."""
+    secondary: object
+    """hpZ: the K2 consecutive ranks of the shard group that hold a unit's weights
+    between its forward and its backward (None without hpZ)."""
+    secondary_rank: int
+    secondary_world: int
     control: object
     """A host-side (gloo) twin of ``dp`` for fingerprints and agreements."""
+
+
+def secondary_size(k2, k: int) -> int | None:
+    """K2 for ``ZeroConfig.secondary_group`` (hpZ), checked against the shard group."""
+    if k2 is None or k2 == k:
+        return None  # the secondary group would be the shard group: nothing to keep
+    if k % k2:
+        divisors = [d for d in range(1, k + 1) if k % d == 0]
+        raise ValueError(f"secondary_group={k2} does not divide the shard group's {k} ranks; "
+                         f"expected one of {divisors}")
+    return k2
 
 
 def shard_size(spec, dp_world: int) -> int:
@@ -72,9 +88,10 @@ def shard_size(spec, dp_world: int) -> int:
     return k
 
 
-def make_groups(group, k: int) -> Groups:
-    """Every group of a model sharded over ``group`` in shard groups of ``k``. A
-    collective of the whole world: every rank creates every group, in one order."""
+def make_groups(group, k: int, k2: int | None = None) -> Groups:
+    """Every group of a model sharded over ``group`` in shard groups of ``k`` (and, with
+    hpZ, secondary groups of ``k2`` inside each). A collective of the whole world: every
+    rank creates every group, in one order."""
     world = dist.get_world_size()
     dp_rank, dp_world = dist.get_rank(group), dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
@@ -87,6 +104,9 @@ def make_groups(group, k: int) -> Groups:
     host = backend in ("gloo", "nccl")  # the fake test backend has no gloo beside it
     wanted = [("shard", s) for s in shards if r > 1] + [("replica", p) for p in replicas]
     wanted += [("reduce", s) for s in shards] + ([("control", tuple(ranks))] if host else [])
+    seconds = [s[j:j + k2] for s in shards for j in range(0, k, k2)] if k2 else []
+    wanted += [("secondary", s) for s in seconds if len(s) < dp_world]
+    mine_second = next((s for s in seconds if ranks[dp_rank] in s), None)
     made = _create_everywhere(wanted, timeout, full=len(ranks) == world)
     return Groups(
         dp=group, dp_rank=dp_rank, dp_world=dp_world,
@@ -95,6 +115,9 @@ def make_groups(group, k: int) -> Groups:
         replica=made[("replica", tuple(ranks[dp_rank % k::k]))] if r > 1 else None,
         replica_rank=dp_rank // k, replica_world=r,
         reduce=made[("reduce", mine_shard)],
+        secondary=(None if mine_second is None else group if len(mine_second) == dp_world
+                   else made[("secondary", mine_second)]),
+        secondary_rank=dp_rank % k2 if k2 else 0, secondary_world=k2 or 0,
         control=made[("control", tuple(ranks))] if host else group)
 
 

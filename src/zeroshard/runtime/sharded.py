@@ -74,7 +74,8 @@ class ShardedModel(Stepping, Readout, nn.Module):
         module._apply(lambda t: t if t.is_meta else t.to(device))
         check_same_model(module, config)
         self.comm = Collectives(self.ledger, group, check=config.check_collectives,
-                                shard_group=config.shard_group)
+                                shard_group=config.shard_group,
+                                secondary_group=config.secondary_group)
         if config.sync_module_states:
             with torch.no_grad():
                 broadcast_state(module, self.comm)
@@ -186,7 +187,7 @@ class ShardedModel(Stepping, Readout, nn.Module):
         if (not unit.policy.shards_params or self._hold
                 or torch._C._current_graph_task_id() != -1):
             return  # activation checkpointing recomputes inside backward: keep it gathered
-        unit.release()
+        unit.release(keep_secondary=torch.is_grad_enabled())  # hpZ: for its backward
         tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(

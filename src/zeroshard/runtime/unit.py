@@ -12,11 +12,12 @@ from .collectives import Collectives
 from .dist import TORCH_DTYPES
 from .events import Events
 from .layout import ShardLayout
-from .policy import AfterStep, FullGrads, ShardPolicy
+from .policy import FullGrads, ShardPolicy
+from .unitstep import UnitStep
 from .unitview import UnitState, UnitView
 
 
-class Unit(UnitView):
+class Unit(UnitStep, UnitView):
     """Shards, gradients and collectives of one group of parameters."""
 
     def __init__(self, index: int, module: nn.Module, named_params: list[tuple[str, nn.Parameter]],
@@ -88,6 +89,7 @@ class Unit(UnitView):
         self._in_flight = None  # (work, buffers...) of an issued reduction
         self._sync_work = None  # all-gather of updated weights after a step
         self._gather_work = None  # sharded parameters: (work, [N, S] buffer) of a gather
+        self.w_secondary = None  # hpZ: [K/K2, S] slots kept from forward for backward
         self.prefetched = False  # gathered ahead of use, not used yet
         self.name = ""  # the unit's module, as the model names it (set by the engine)
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
@@ -118,8 +120,12 @@ class Unit(UnitView):
             return
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
-        self._gather_work = (self.comm.all_gather(out, self.w_shard, async_op=True,
-                                                  unit=self.index), out)
+        if self.w_secondary is not None:  # hpZ: inside the secondary group only
+            work = self.comm.all_gather(out, self.w_secondary, async_op=True, unit=self.index,
+                                        secondary=True)
+        else:
+            work = self.comm.all_gather(out, self.w_shard, async_op=True, unit=self.index)
+        self._gather_work = (work, out)
         self.state = UnitState.GATHERING
         self.events.emit("gather_issued", self)
 
@@ -138,11 +144,21 @@ class Unit(UnitView):
         self.state = UnitState.GATHERED
         self.events.emit("gather_done", self)
 
-    def release(self) -> None:
+    def release(self, keep_secondary: bool = False) -> None:
         """Free the full parameters; autograd's saved references keep the (empty)
-        storage object, which :meth:`gather` refills before backward needs it."""
+        storage object, which :meth:`gather` refills before backward needs it.
+
+        hpZ, after a forward (``keep_secondary``): secondary rank j of K2 keeps the slots
+        of shard ranks [j·m, (j+1)·m), m = K / K2 — the K2 ranks of its secondary group
+        hold all K between them — so the backward's gather stays inside that group."""
         if self.state is UnitState.GATHERING:  # a prefetch nobody used: let it land
             self.gather()
+        self.w_secondary = None
+        if keep_secondary and self.comm.secondary_world and self.state is UnitState.GATHERED:
+            m = self.world // self.comm.secondary_world
+            j = self.comm.secondary_rank
+            self.w_secondary = torch.cat([buf[j * m:(j + 1) * m] for buf in self.padded],
+                                         dim=1)  # [m, S], the gather's slot layout
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
@@ -250,66 +266,3 @@ class Unit(UnitView):
             for i in self.trainable:
                 self.shards[i].grad = None
             self.step_grads = None
-
-    # -- after the optimizer step ---------------------------------------------------
-    def after_step(self) -> None:
-        """Bring the compute weights up to date with the updated shards."""
-        self.step_grads = None
-        if self.policy.keeps_full_grads:
-            # The step has consumed them: the next backward starts a new cycle anyway, so
-            # the full gradients go now rather than live through the next forward beside
-            # its activations. At stage 0 in fp32 the shard's .grad is a view of them and
-            # holds them until the optimizer's zero_grad(), as torch DDP's gradients do.
-            for i in self.trainable:
-                self.params[i].grad = None
-        # The shards' .grad keep what the step used until zero_grad(); the engine lets go,
-        # so between steps no gradient memory is held (FSDP2 and DDP behave the same).
-        self.grad_shard = None
-        if self.master is not None:
-            for i in self.trainable:
-                self.shards[i].grad = None  # fp32 copies: free them now
-        self.refresh_compute()
-
-    def refresh_compute(self) -> None:
-        """Bring the compute weights up to date with the (updated or loaded) shards."""
-        if not self.trainable:
-            return
-        if self.policy.after_step is AfterStep.CAST:
-            if self.master is None:
-                return  # fp32: the shard is a view of the compute weights, updated in place
-            if self.w_shard is not None:
-                w_views = self.w_layout.shard_views(self.w_shard, self.rank)
-                for i in self.trainable:
-                    w_views[i].copy_(self.shards[i].detach())
-            else:
-                for i in self.trainable:
-                    self.params[i].data.copy_(self.shards[i].detach().view(self.params[i].shape))
-        else:  # all-gather every rank's updated rows into every rank's full weights
-            self.wait_sync()
-            out = torch.empty(self.world, self.g_layout.slot_numel, dtype=self.compute_dtype,
-                              device=self.device)
-            inp = out[self.rank]  # in place: this rank's slot is the gather's input
-            if self.master is not None:
-                inp.copy_(self.master)
-            else:
-                torch.cat([self.padded[i][self.rank] for i in self.trainable], out=inp)
-            self._sync_work = (self.comm.all_gather(out, inp, async_op=True, unit=self.index),
-                               out, inp)
-
-    def wait_sync(self) -> None:
-        if self._sync_work is None:
-            return
-        work, out, _ = self._sync_work
-        work.wait()
-        self._sync_work = None
-        full = [self.padded[i] for i in self.trainable]  # [N, c·row] each
-        if self.master is not None:  # every rank's rows arrive cast from the master
-            self.g_layout.unpack_into(out, full)
-            return
-        # Without a master the optimizer updated this rank's rows in place: land the
-        # other ranks' rows only, (N-1)/N of the unit, in at most two copies.
-        r = self.rank
-        for rows in (slice(0, r), slice(r + 1, self.world)):
-            if rows.start < rows.stop:
-                torch.split_with_sizes_copy(out[rows], self.g_layout.split_sizes, dim=1,
-                                            out=[t[rows] for t in full])

@@ -72,6 +72,8 @@ class UnitView:
             out["padding"] += (self.w_layout.slot_numel - self.w_layout.real_numel(r)) * w_item
             if self.state is UnitState.GATHERED:
                 out["gathered"] += sum(tensor_bytes(b) for b in self.padded)
+            if self.w_secondary is not None:  # hpZ: kept from forward for backward
+                out["gathered"] += tensor_bytes(self.w_secondary)
         else:  # full, in padded storages
             out["params"] += self.w_layout.numel * w_item
             out["padding"] += sum(tensor_bytes(b) for b in self.padded) - out["params"]
