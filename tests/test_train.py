@@ -174,6 +174,9 @@ ENGINE_FLAGS = {
     "nonfinite": (["--nonfinite", "raise"], "raise"),
     "shard_group": (["--shard-group", "2"], 2),
     "secondary_group": (["--secondary-group", "1"], 1),
+    "quantize_weights": (["--quantize-weights"], True),
+    "quantize_grads": (["--quantize-grads"], True),
+    "quant_block": (["--quant-block", "256"], 256),
 }
 
 
@@ -183,8 +186,10 @@ def test_every_engine_field_has_a_flag_that_reaches_zero_config():
     for name, (argv, value) in ENGINE_FLAGS.items():
         assert getattr(default, name) != value, name
         assert getattr(_parse(*argv).zero, name) == value, name
-    # all at once (hpZ, stage 3's only, apart: the stage case is another stage)
-    together = {k: v for k, v in ENGINE_FLAGS.items() if k != "secondary_group"}
+    # all at once, but for stage 3's hpZ and qwZ (the stage case is another stage) and
+    # qgZ (the reduce_dtype case asks for another reduction)
+    apart = ("secondary_group", "quantize_weights", "quantize_grads")
+    together = {k: v for k, v in ENGINE_FLAGS.items() if k not in apart}
     cfg = _parse(*(a for argv, _ in together.values() for a in argv), "--profile", "p")
     assert cfg.zero == ZeroConfig(**{k: v for k, (_, v) in together.items()}, profile=True)
     # the ranks rebuild the settings from JSON: nothing is lost on the way

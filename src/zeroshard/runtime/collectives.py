@@ -34,6 +34,12 @@ from ..plan.hardware import GLOO_BROADCAST_MAX
 from . import watch
 from .groups import make_groups, secondary_size, shard_size, timeout_of
 from .ledger import Ledger
+from .quantize import (
+    QUANT_BLOCK,
+    quantized_all_gather,
+    quantized_nbytes,
+    quantized_reduce_scatter,
+)
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -46,7 +52,8 @@ class Collectives:
     ``"across"`` shard groups (hybrid sharding's replica all-reduce)."""
 
     def __init__(self, ledger: Ledger, group=None, check: bool = True, shard_group=None,
-                 secondary_group=None):
+                 secondary_group=None, quantize_weights: bool = False,
+                 quantize_grads: bool = False, quant_block: int = QUANT_BLOCK):
         self.ledger = ledger
         self.group = group  # the data-parallel group (None: the world)
         self.dp_rank = dist.get_rank(group)
@@ -68,17 +75,21 @@ class Collectives:
         self.timeout_s = _timeout_s(group)
         self._gloo = "gloo" in str(dist.get_backend(group))
         self.check = check  # fingerprint every collective ([Note: fingerprints])
+        # ZeRO++'s qwZ and qgZ (``quantize.py``): int8 blocks with fp32 scales
+        self.quant_weights, self.quant_grads, self.quant_block = (
+            quantize_weights, quantize_grads, quant_block)
         # Where this rank is, for the fingerprints: the engine moves them on.
         self.seq, self.step, self.phase = 0, 0, "setting up"
         self.unit_names: list[str] = []
         self.trace: list[dict] | None = None  # profiling: one record per call
 
     def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool, value: int = 0,
-               world: int | None = None, level: str = "inside"):
+               world: int | None = None, level: str = "inside", nbytes: int | None = None):
         """Record the call in the ledger (and, when profiling, in the collective trace),
         issue its fingerprint, then ``call()``, which issues the collective itself
         asynchronously and returns its work handle (None: the fingerprint is all)."""
-        nbytes = t.numel() * t.element_size()
+        if nbytes is None:  # a quantized collective says what it sends
+            nbytes = t.numel() * t.element_size()
         if call is not None:  # an agreement is its fingerprint: recorded below
             self.ledger.record(kind, nbytes, world or self.shard_world, level)
         self.seq += 1
@@ -118,6 +129,13 @@ class Collectives:
         divided and copied in one pass."""
         n, k = self.dp_world, self.shard_world
         across = self._across(out.view(-1))
+        if self.quant_grads and k > 1:  # qgZ: an all-to-all of int8 blocks, summed in fp32
+            def call():
+                work = quantized_reduce_scatter(out.view(-1), inp.view(-1), self.reduce_group,
+                                                self.quant_block, async_op=True)
+                return _Then(work, then=lambda: _chain(out, across, n if mean else None))
+            return self._issue("reduce_scatter", inp, unit, call, async_op,
+                               nbytes=k * quantized_nbytes(out.numel(), self.quant_block))
         if self._on_gloo(inp):  # [Note: gloo]
             def call():
                 work = dist.all_reduce(inp, group=self.reduce_group, async_op=True)
@@ -147,10 +165,15 @@ class Collectives:
         return across
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
-                   unit=None, secondary: bool = False):
+                   unit=None, secondary: bool = False, weights: bool = False):
         """``out`` (K × ``inp``) receives every shard-group rank's ``inp`` in rank order;
-        with ``secondary`` (hpZ), every secondary-group rank's (K2 × ``inp``)."""
+        with ``secondary`` (hpZ), every secondary-group rank's (K2 × ``inp``). Stage 3's
+        gathers of the ``weights`` are quantized under qwZ."""
         k, group = self.shard_world, self.shard_group
+        if weights and self.quant_weights and not secondary and k > 1:
+            return self._issue("all_gather", out, unit, lambda: quantized_all_gather(
+                out.view(-1), inp.view(-1), group, self.quant_block, async_op=True), async_op,
+                nbytes=k * quantized_nbytes(inp.numel(), self.quant_block))
         if secondary:
             k, group = self.secondary_world, self.secondary_group
         rank = self.secondary_rank if secondary else self.shard_rank

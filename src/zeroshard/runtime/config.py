@@ -26,6 +26,8 @@ DEEPSPEED_KEYS = {
     "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
     "zero_optimization.mics_shard_size": "shard_group",
     "zero_optimization.zero_hpz_partition_size": "secondary_group",
+    "zero_optimization.zero_quantized_weights": "quantize_weights",
+    "zero_optimization.zero_quantized_gradients": "quantize_grads",
 }
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16")
 
@@ -106,6 +108,21 @@ class ZeroConfig:
     group), so backward gathers stay inside that group — on the fast links — instead of
     crossing the whole shard group. Costs the unit's weights / K2 per rank from its
     forward to its backward. None: off."""
+    quantize_weights: bool = False
+    """Stage 3, qwZ (ZeRO++): the weights' all-gathers (forward, and backward where
+    hpZ does not keep them) send int8 in blocks of ``quant_block`` with one fp32 scale
+    per block, about 1/4 of bf16's bytes; every rank computes with the dequantized
+    weights (its own slot included), so ranks stay alike. An approximation of the
+    exact run: README states the loss drift measured."""
+    quantize_grads: bool = False
+    """Stages 1-3, qgZ (ZeRO++): the gradients' reduce-scatter inside the shard group is
+    an all-to-all of int8 blocks with fp32 scales, dequantized and summed in fp32 in
+    rank order (``runtime/quantize.py``); the all-reduce across replica groups stays
+    exact. An approximation, like ``quantize_weights``."""
+    quant_block: int = 2048
+    """Elements per quantization block (one fp32 scale each: 1 + 4 / block bytes per
+    element). DeepSpeed's weight quantizer works in groups of a few thousand; smaller
+    blocks track the values more closely at more bytes (``docs/quantized.md``)."""
     nonfinite: str = "raise"
     """What the optimizer step does when a reduced gradient holds a NaN or inf, decided
     alike on every rank in one small exchange (free when the cycle was clipped: the
@@ -162,6 +179,22 @@ class ZeroConfig:
             raise ValueError(f"secondary_group={k2} (hpZ) keeps gathered weights between "
                              f"forward and backward, which only stage 3 releases; got "
                              f"stage={self.stage}: use stage 3 or drop secondary_group")
+        for name in ("quantize_weights", "quantize_grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or (
+                self.quant_block < 1):
+            raise ValueError(f"quant_block={self.quant_block!r} must be an integer >= 1")
+        if self.quantize_weights and self.stage != 3:
+            raise ValueError(f"quantize_weights (qwZ) quantizes stage 3's gathers of the "
+                             f"weights; got stage={self.stage}: use stage 3")
+        if self.quantize_grads and self.stage == 0:
+            raise ValueError("quantize_grads (qgZ) quantizes the gradients' reduce-scatter, "
+                             "which stage 0 does not do (it all-reduces); use stage 1-3")
+        if self.quantize_grads and self.reduce_dtype is not None:
+            raise ValueError(f"quantize_grads sends the gradients as int8 and sums them in "
+                             f"fp32; reduce_dtype={self.reduce_dtype!r} asks for another "
+                             "reduction: drop one of the two")
         if self.nonfinite not in POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, POLICIES))}")

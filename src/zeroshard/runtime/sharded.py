@@ -75,7 +75,10 @@ class ShardedModel(Stepping, Readout, nn.Module):
         check_same_model(module, config)
         self.comm = Collectives(self.ledger, group, check=config.check_collectives,
                                 shard_group=config.shard_group,
-                                secondary_group=config.secondary_group)
+                                secondary_group=config.secondary_group,
+                                quantize_weights=config.quantize_weights,
+                                quantize_grads=config.quantize_grads,
+                                quant_block=config.quant_block)
         if config.sync_module_states:
             with torch.no_grad():
                 broadcast_state(module, self.comm)

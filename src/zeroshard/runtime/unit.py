@@ -124,7 +124,8 @@ class Unit(UnitStep, UnitView):
             work = self.comm.all_gather(out, self.w_secondary, async_op=True, unit=self.index,
                                         secondary=True)
         else:
-            work = self.comm.all_gather(out, self.w_shard, async_op=True, unit=self.index)
+            work = self.comm.all_gather(out, self.w_shard, async_op=True, unit=self.index,
+                                        weights=True)
         self._gather_work = (work, out)
         self.state = UnitState.GATHERING
         self.events.emit("gather_issued", self)
