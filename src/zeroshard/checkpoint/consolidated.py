@@ -5,18 +5,18 @@ reading only the rows it keeps."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..runtime.dist import TORCH_DTYPES
+from . import exportdir
+from .exportdir import INDEX, SINGLE
 from .load import _agree, _pieces
 from .sharded import entries, read_manifest, resolve, verify
 from .tensorfile import TensorFile, write_tensors
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 
 def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
@@ -28,6 +28,17 @@ def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
         raise ValueError(f"dtype={dtype!r}; expected 'fp32' or 'bf16'")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+    made = not Path(out_dir).exists()
+    out_dir = exportdir.check(out_dir)  # before anything is read
+    try:
+        return _export(ckpt_path, out_dir, dtype, max_shard_bytes)
+    except BaseException:
+        if made and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a folder this export made, and nothing in it
+        raise
+
+
+def _export(ckpt_path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
     ckpt = resolve(ckpt_path)
     manifest = read_manifest(ckpt)
     problem = verify(ckpt, manifest, set(manifest["files"]))
@@ -64,28 +75,37 @@ def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
         current.append(e)
         size += nbytes
     files.append(current)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     names = ([SINGLE] if len(files) == 1 else
              [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))])
-    layout, total = {}, 0
-    for fname, group in zip(names, files):
-        write_tensors(str(out_dir / fname), group, {"format": "pt"})
-        layout[fname] = [e[0] for e in group]
-        total += sum(e[2].itemsize * int(torch.Size(e[1]).numel()) for e in group)
+    layout = {fname: [e[0] for e in group] for fname, group in zip(names, files)}
+    writers = [(fname, lambda path, g=group: write_tensors(str(path), g, {"format": "pt"}))
+               for fname, group in zip(names, files)]
     if len(files) > 1:
+        total = sum(e[2].itemsize * int(torch.Size(e[1]).numel()) for e in entries_)
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f for f, ns in layout.items() for n in ns}}
-        (out_dir / INDEX).write_text(json.dumps(index, indent=2))
+        writers.append((INDEX, lambda path: _write_json(path, index)))
+    exportdir.write(out_dir, writers)
     return layout
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
     if path.is_file():
         return dict.fromkeys(TensorFile(str(path)).keys(), path)
     if (path / INDEX).exists():
-        index = json.loads((path / INDEX).read_text())
-        return {n: path / f for n, f in index["weight_map"].items()}
+        from .._jsonfile import read_json_object
+
+        wmap = read_json_object(path / INDEX, "index").get("weight_map")
+        if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
+            raise ValueError(f"{path / INDEX}: no weight_map of tensor names to files")
+        return {n: path / f for n, f in wmap.items()}
     if (path / SINGLE).exists():
         return _weight_map(path / SINGLE)
     raise ValueError(f"{path}: no {SINGLE}, no {INDEX} and not a safetensors file")

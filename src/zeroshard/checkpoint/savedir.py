@@ -30,15 +30,10 @@ def checkpoint_bytes(params: int, recipe) -> int:
 
 def check(path: str | Path, need: int) -> None:
     """``path`` can be created, written, and holds ``need`` free bytes."""
+    from .._paths import folder
+
     path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".zeroshard-probe-{os.getpid()}"
-        probe.write_bytes(b"0")
-        probe.unlink()
-    except OSError as exc:
-        raise ValueError(f"save_dir={str(path)!r} cannot be written ({exc.strerror}); "
-                         "give a folder this user can write") from None
+    folder("save_dir", path)
     free = shutil.disk_usage(path).free
     if free < need:
         raise ValueError(f"save_dir={str(path)!r} has {free / 1e9:.2f} GB free; a checkpoint "
@@ -84,3 +79,26 @@ def hold(path: str | Path):
         yield
     finally:
         lock.unlink(missing_ok=True)
+
+
+def prune(path: str | Path, keep: int) -> list[Path]:
+    """Remove all but the ``keep`` trainer checkpoints (``step-NNNNNN``) saved last in
+    ``path`` (by when their manifest was written, so a run resumed from an older step
+    keeps what it saved, not the highest step numbers), never the one ``latest`` names;
+    other folders are not the trainer's to remove. Returns those removed."""
+    from .sharded import MANIFEST, resolve
+
+    path = Path(path)
+    saved = sorted((c for c in path.glob("step-*") if c.name[5:].isdigit() and c.is_dir()
+                    and (c / MANIFEST).is_file()),
+                   key=lambda c: ((c / MANIFEST).stat().st_mtime_ns, c.name), reverse=True)
+    try:
+        latest = resolve(path).resolve()
+    except ValueError:
+        latest = None
+    removed = []
+    for ckpt in saved[keep:]:
+        if ckpt.resolve() != latest:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            removed.append(ckpt)
+    return removed

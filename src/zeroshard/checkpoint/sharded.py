@@ -90,8 +90,13 @@ def _per_element(value, shard) -> bool:
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or the one a directory's ``latest`` pointer names."""
+    """A checkpoint directory, or the one a directory's ``latest`` pointer names (the
+    pointer file itself may be given: ``runs/ckpt/latest``)."""
     path = Path(path)
+    if path.name == LATEST and path.is_file():
+        path = path.parent
+    if not path.exists():
+        raise ValueError(f"{path}: no such checkpoint folder")
     if (path / MANIFEST).exists():
         return path
     if (path / LATEST).exists():

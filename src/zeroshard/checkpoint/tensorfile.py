@@ -79,6 +79,25 @@ def fsync_dir(path: str) -> None:
 _FROM_NAME = {v: k for k, v in _DTYPES.items()}
 
 
+def _entry_problem(info, data_bytes: int) -> str | None:
+    """What is wrong with one header entry (dtype, shape, offsets inside the data), or
+    None: checked once, so reading rows can trust it."""
+    if not isinstance(info, dict) or info.get("dtype") not in _FROM_NAME:
+        return "no known dtype"
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return f"shape {shape!r}"
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)):
+        return f"data_offsets {offsets!r}"
+    n = _FROM_NAME[info["dtype"]].itemsize
+    for d in shape:
+        n *= d
+    if not 0 <= offsets[0] <= offsets[1] <= data_bytes or offsets[1] - offsets[0] != n:
+        return f"data_offsets {offsets} for {n} bytes in {data_bytes}"
+    return None
+
+
 class TensorFile:
     """Reads rows of tensors from a safetensors file with plain reads (no memory map), so
     a reader's memory holds only the rows it asked for."""
@@ -86,16 +105,28 @@ class TensorFile:
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise ValueError(f"{path}: not a safetensors file (truncated header)")
             (n,) = struct.unpack("<Q", raw)
+            # the length is the file's word, not ours: believed, a text file's first 8
+            # bytes ask for exabytes (a MemoryError); a header cannot outrun its file
+            if n > size - 8:
+                raise ValueError(f"{path}: not a safetensors file (its first 8 bytes give a "
+                                 f"header of {n:,} bytes; the file has {size:,})")
             try:
                 self.header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise ValueError(f"{path}: not a safetensors file (bad header)") from None
+        if not isinstance(self.header, dict):
+            raise ValueError(f"{path}: not a safetensors file (the header is not an object)")
         self.data_start = 8 + n
         self.metadata = self.header.pop("__metadata__", {}) or {}
+        for name, info in self.header.items():
+            problem = _entry_problem(info, size - self.data_start)
+            if problem:
+                raise ValueError(f"{path}: not a safetensors file ({name!r}: {problem})")
 
     def keys(self) -> list[str]:
         return list(self.header)
