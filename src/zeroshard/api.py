@@ -28,6 +28,12 @@ def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None
     each module is initialised by ``param_init(module)`` (default: its
     ``reset_parameters()``) under a seed derived from ``seed`` and its name, exactly as
     ``zs.init_weights(model, seed, param_init)`` initialises an ordinary model."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"zs.shard() takes a torch.nn.Module; got {type(model).__name__} "
+                         f"{_short(model)}")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"zs.shard(): {type(model).__name__} has no parameters, so there is "
+                         "nothing to shard; shard the module that holds the weights")
     base = ZeroConfig.load(config) if config is not None else ZeroConfig()
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     unknown = sorted(set(options) - set(fields))
@@ -44,3 +50,9 @@ def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None
 
         sharded.profiler = Profiler(sharded)
     return sharded
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to a length an error line can carry."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

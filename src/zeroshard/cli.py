@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import warnings
 
 # subcommand -> (module with add_arguments(parser) and run(args), one-line help)
 COMMANDS = {
@@ -44,18 +46,62 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+#: Set (to anything but 0) to see the full traceback of an error instead of its line.
+DEBUG = "ZEROSHARD_DEBUG"
+
+#: Errors whose message is the whole story: the user's input (ValueError), a valid
+#: request not supported (NotImplementedError), and the faults every rank meets alike
+#: (docs/faults.md). Any other type is unexpected; its line says how to see the trace.
+_TOLD = ("ValueError", "NotImplementedError", "SaveFailed", "FloatingPointError",
+         "NonFiniteGradients", "RanksOutOfStep", "CollectiveTimeout")
+
+
+def debugging() -> bool:
+    """Whether full traces are wanted (``zeroshard train --debug`` sets the variable)."""
+    return os.environ.get(DEBUG, "") not in ("", "0")
+
+
+def line_of(exc: BaseException, command: str) -> tuple[str, int]:
+    """The one line ``command`` prints for ``exc``, and its exit code: 2 for bad input and
+    unsupported requests, 1 otherwise."""
+    kind = type(exc).__name__
+    message = str(exc).strip() or kind
+    if isinstance(exc, ValueError):
+        return f"{command}: error: {message}", 2
+    if isinstance(exc, NotImplementedError):
+        return f"{command}: not supported: {message}", 2
+    if isinstance(exc, OSError) and exc.strerror:  # a path the command could not use
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{command}: error: {where}{exc.strerror}", 1
+    hint = "" if kind in _TOLD else f" ({DEBUG}=1 for the full trace)"
+    return f"{command}: error: {kind}: {message}{hint}", 1
+
+
+def _warning_line(command: str):
+    """``warnings.showwarning`` as one line naming the command (no source line)."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        (file or sys.stderr).write(f"{command}: warning: {message}\n")
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = argv[0] if argv and argv[0] in COMMANDS else None
     args = build_parser(selected).parse_args(argv)
+    command = f"zeroshard {args.command}"
+    shown = warnings.showwarning
+    if not debugging():
+        warnings.showwarning = _warning_line(command)
     try:
         return args._run(args) or 0
     except BrokenPipeError:  # e.g. `zeroshard plan --json | head`
         sys.stderr.close()
         return 0
-    except ValueError as exc:
-        sys.stderr.write(f"zeroshard {args.command}: error: {exc}\n")
-        return 2
-    except NotImplementedError as exc:  # a valid request zeroshard does not support
-        sys.stderr.write(f"zeroshard {args.command}: not supported: {exc}\n")
-        return 2
+    except Exception as exc:
+        if debugging():
+            raise
+        line, code = line_of(exc, command)
+        sys.stderr.write(line + "\n")
+        return code
+    finally:
+        warnings.showwarning = shown

@@ -48,14 +48,15 @@ def _rank_main(params: int, steps: int) -> dict:
         for _ in range(steps):
             loss = ((model(x) - y) ** 2).mean()
             loss.backward()
+            # the gradients the step will use: read after backward, before step() and
+            # zero_grad() let them go
+            held = model.memory(opt)["grads"]
             opt.step()
-            if stage == 0:
-                held = model.memory(opt)["grads"]  # full gradients, before they are dropped
             opt.zero_grad()
         mem = model.memory(opt)
         out["weights"][stage] = model.full_state_dict()["w"]
         out["adam_floats"][stage] = mem["optimizer"] // 4  # fp32: no master, only m and v
-        out["grad_floats"][stage] = (held if stage == 0 else mem["grads"]) // 4
+        out["grad_floats"][stage] = held // 4
     return out
 
 

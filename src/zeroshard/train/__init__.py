@@ -29,6 +29,7 @@ import traceback
 from dataclasses import fields, replace
 
 from ..runtime.config import ZeroConfig
+from . import failure, preflight
 from .config import TrainConfig, engine_keys, resolve
 
 #: How each engine field (ZeroConfig's) shows as a flag named after it (mixed_precision:
@@ -116,7 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="DIR", help="profile two steps (turns on the engine's "
                                                     "profiler): trace, lifetime chart, peak "
                                                     "and plan against measurement")
+    p.add_argument("--keep-last", type=int, metavar="K",
+                   help="keep only the K checkpoints saved last in --save-dir (default: all)")
     p.add_argument("--config", metavar="FILE", help="JSON settings or a DeepSpeed config")
+    p.add_argument("--debug", action="store_true",
+                   help=f"a failing rank's full traceback and the launcher's report, not "
+                        f"just the error's one line (or {failure.DEBUG}=1)")
     _add_engine_flags(p)
 
 
@@ -137,54 +143,38 @@ def run(args) -> int:
     else:
         cfg = _config(args)  # validate before launching anything
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from ..runtime.dist import release_process_groups
-        from .loop import train
-
-        try:
-            train(cfg)
-        except BaseException as exc:
-            # the traceback holds train's frames, and with them the model
-            traceback.clear_frames(exc.__traceback__)
-            release_process_groups()
-            raise
-        release_process_groups()
-        return 0
+        return _rank(cfg)
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
-    _check_paths(cfg)
+    held = preflight.check(cfg)  # every path, before any process starts
     env = dict(os.environ)
     env[_ENV] = json.dumps(cfg.to_dict())
+    if args.debug:
+        env[failure.DEBUG] = "1"
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     cmd = [sys.executable, "-m", "zeroshard.train.launch",  # torchrun, on loopback only
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
-    with _hold_save_dir(cfg):
+    with held:
         return subprocess.run(cmd, env=env).returncode
 
 
-def _hold_save_dir(cfg: TrainConfig):
-    """The save folder checked (writable, room for a checkpoint beside the last) and
-    held for the run, before any process starts (``checkpoint/savedir.py``)."""
-    import contextlib
+def _rank(cfg: TrainConfig) -> int:
+    """One rank's run. Under this command's launcher an error is written for the
+    launcher to print once (``train/failure.py``); under torchrun it is raised."""
+    from ..runtime.dist import release_process_groups
+    from .loop import train
 
-    if not cfg.save_dir:
-        return contextlib.nullcontext()
-    import torch
-
-    from ..checkpoint import savedir
-    from ..models.gpt import GPT, get_preset
-
-    with torch.device("meta"):
-        params = sum(p.numel() for p in GPT(get_preset(cfg.model)).parameters())
-    savedir.check(cfg.save_dir, 2 * savedir.checkpoint_bytes(params, cfg.zero.recipe))
-    return savedir.hold(cfg.save_dir)
-
-
-def _check_paths(cfg: TrainConfig) -> None:
-    """Name a checkpoint or weights path that cannot be read, before any process starts."""
-    from pathlib import Path
-
-    from ..checkpoint.sharded import resolve
-
-    if cfg.resume:
-        resolve(Path(cfg.save_dir) if cfg.resume == "latest" else cfg.resume)
-    if cfg.init_from and not Path(cfg.init_from).exists():
-        raise ValueError(f"init_from={cfg.init_from!r}: no such file or directory")
+    try:
+        train(cfg)
+    except Exception as exc:
+        # the traceback holds train's frames, and with them the model
+        rank = int(os.environ.get("RANK", "0"))
+        if failure.ERROR_DIR in os.environ:
+            code = failure.record(exc, rank)
+            traceback.clear_frames(exc.__traceback__)
+            release_process_groups()
+            return code
+        traceback.clear_frames(exc.__traceback__)
+        release_process_groups()
+        raise
+    release_process_groups()
+    return 0

@@ -11,6 +11,11 @@ from ..models.gpt import PRESETS
 from ..runtime.config import ZeroConfig, is_deepspeed
 
 
+def processes(n: int) -> str:
+    """``n`` processes, in words ("1 process", "2 processes")."""
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 def engine_keys() -> list[str]:
     """The ZeroConfig fields the trainer takes, in declaration order: all but ``profile``,
     which follows the trainer's ``profile`` directory."""
@@ -74,6 +79,9 @@ class TrainConfig:
     """Write sharded checkpoints here (``step-NNNNNN`` and a ``latest`` pointer)."""
     save_every: int | None = None
     """Checkpoint every this many steps (and at the end); None: only at the end."""
+    keep_last: int | None = None
+    """Keep only the ``keep_last`` checkpoints saved last in ``save_dir``, removing older
+    ones after each save (never the one ``latest`` names); None keeps every one."""
     resume: str | None = None
     """Resume from a checkpoint: a path, or "latest" for the newest in ``save_dir``.
     Any --nproc and --stage can resume any checkpoint."""
@@ -105,7 +113,7 @@ class TrainConfig:
         for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout",
                      "max_skipped"):
             positive(name)
-        for name in ("micro_batch", "clip", "warmup", "save_every"):
+        for name in ("micro_batch", "clip", "warmup", "save_every", "keep_last"):
             positive(name, allow_none=True)
         if self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}; expected one of {', '.join(PRESETS)}")
@@ -115,8 +123,10 @@ class TrainConfig:
             units = None
         elif isinstance(units, str) and units.isdigit():
             units = int(units)
+        if isinstance(units, int) and not isinstance(units, bool) and units <= 0:
+            raise ValueError(f"units={units} must be a positive parameter count")
         if not (units in ("blocks", None) or (
-                isinstance(units, int) and not isinstance(units, bool) and units > 0)):
+                isinstance(units, int) and not isinstance(units, bool))):
             raise ValueError(f"units={zero.units!r}; expected 'blocks', 'model' or a "
                              "parameter count")
         if (units, self.profile is not None) != (zero.units, zero.profile):
@@ -124,20 +134,25 @@ class TrainConfig:
         object.__setattr__(self, "zero", zero)
         if self.resume == "latest" and not self.save_dir:
             raise ValueError("resume='latest' needs save_dir")
+        if (self.keep_last or self.save_every) and not self.save_dir:
+            raise ValueError(f"{'keep_last' if self.keep_last else 'save_every'} needs "
+                             "save_dir, the folder the checkpoints go to")
         if self.resume and self.init_from:
             raise ValueError("resume and init_from contradict each other; give one")
-        if self.sample_chars < 0 or self.weight_decay < 0:
-            raise ValueError("sample_chars and weight_decay must be >= 0")
+        for name in ("sample_chars", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
     def accumulation(self, world: int) -> tuple[int, int]:
         """(micro-batch per process, micro-batches per step) at ``world`` processes."""
         if self.batch % world:
-            raise ValueError(f"batch={self.batch} does not divide over {world} processes")
+            raise ValueError(f"batch={self.batch} does not divide over {processes(world)}")
         per_rank = self.batch // world
         micro = self.micro_batch or per_rank
         if per_rank % micro:
             raise ValueError(f"micro_batch={micro} does not divide the {per_rank} sequences "
-                             f"each of {world} processes takes from batch={self.batch}")
+                             f"per process that batch={self.batch} gives "
+                             f"{processes(world)}")
         return micro, per_rank // micro
 
     def to_dict(self) -> dict:
@@ -198,11 +213,11 @@ def from_deepspeed(ds: dict, nproc: int) -> dict:
     if micro is None and total is not None and gas is not None:
         if total % (gas * nproc):
             raise ValueError(f"train_batch_size={total} is not gradient_accumulation_steps="
-                             f"{gas} x {nproc} processes x a micro-batch")
+                             f"{gas} x {processes(nproc)} x a micro-batch")
         micro = total // (gas * nproc)
     if None not in (micro, gas, total) and micro * gas * nproc != total:
         raise ValueError(f"train_batch_size={total} != train_micro_batch_size_per_gpu={micro} "
-                         f"x gradient_accumulation_steps={gas} x {nproc} processes")
+                         f"x gradient_accumulation_steps={gas} x {processes(nproc)}")
     if total is not None:
         out["batch"] = total
     if micro is not None:

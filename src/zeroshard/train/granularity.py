@@ -4,7 +4,8 @@ The source document's exercise: the same model, N, global batch and reshard poli
 grouped into units several ways — one unit per block, units of at least a given size,
 the whole model as one unit. For each: unit membership and bytes, gathers and
 reductions per step, their mean duration, the measured peak, the step time, and the
-loss (which must not depend on the grouping). Writes a lifetime chart per grouping.
+loss (which must not depend on the grouping). With --out, a lifetime chart per
+grouping goes into that folder.
 
 example:
   zeroshard bench granularity --model small --steps 8 --out runs/granularity
@@ -26,10 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
     p.add_argument("--steps", type=int, default=8, help="steps per grouping (default 8)")
     p.add_argument("--batch", type=int, default=16, help="global batch (default 16)")
-    p.add_argument("--out", default="granularity", help="directory for the charts")
+    p.add_argument("--out", metavar="DIR", help="write a lifetime chart per grouping into "
+                                                "this folder (default: no charts)")
 
 
-def _rank(model_name: str, steps: int, batch: int, out: str) -> dict:
+def _rank(model_name: str, steps: int, batch: int, out: str | None) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -78,7 +80,7 @@ def _rank(model_name: str, steps: int, batch: int, out: str) -> dict:
         gathers = [c for c in step_coll if c["kind"] == "all_gather"]
         reduces = [c for c in step_coll if c["kind"] == "reduce_scatter"]
         _, peak = prof.peak()
-        if rank == 0:
+        if rank == 0 and out:
             lifetime_chart(prof, str(Path(out) / f"granularity-{label.split()[0]}.png"),
                            f"{label}: {len(net.units)} units, stage 3, N = {world}")
         results[label] = {
@@ -100,12 +102,22 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from .._paths import folder
+    from ..models.gpt import PRESETS
     from ..runtime.spawn import spawn
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.model not in PRESETS:
+        raise ValueError(f"--model={args.model!r}; expected one of {', '.join(PRESETS)}")
+    for name in ("nproc", "batch"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name}={getattr(args, name)} must be positive")
+    if args.batch % args.nproc:
+        raise ValueError(f"--batch={args.batch} does not divide over --nproc={args.nproc}")
     if args.steps < 4:
         raise ValueError(f"--steps={args.steps}; at least 4 (one records the order, one is "
                          "profiled, the rest are timed)")
+    if args.out:
+        folder("--out", args.out)
     res = spawn(_rank, args.nproc, args.model, args.steps, args.batch, args.out, timeout=900)[0]
     plain_ms = res.pop("_plain_ms")
     t = Table(title=f"unit granularity: GPT {args.model}, stage 3, N = {args.nproc}, global "
@@ -128,8 +140,8 @@ def run(args) -> int:
     losses = [r["loss"] for r in res.values()]
     console.print(f"loss spread across groupings: {max(losses) - min(losses):.2e}; AG/RS: "
                   "all-gathers and reduce-scatters in the profiled step, mean issue-to-done "
-                  "time; step ms: median with profiling off, profiled: the one step with it on; "
-                  f"charts in {args.out}")
+                  "time; step ms: median with profiling off, profiled: the one step with it on"
+                  + (f"; charts in {args.out}" if args.out else ""))
     paused = res["per block"]["step_ms"]
     console.print(f"a paused profiler: per block, a model built without a profiler steps in "
                   f"{plain_ms:.1f} ms, one with its profiler paused in {paused:.1f} ms "

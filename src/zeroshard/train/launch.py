@@ -48,19 +48,45 @@ def _create_handler(params):
     return LoopbackRendezvous("127.0.0.1", 0, 0, 1, params.run_id, 600)
 
 
-def main(argv: list[str]) -> None:
-    """``torch.distributed.run`` on one node with the loopback rendezvous."""
+def main(argv: list[str]) -> int:
+    """``torch.distributed.run`` on one node with the loopback rendezvous; a failed run is
+    the first failing rank's one line and exit code (``train/failure.py``), not the
+    launcher's report, unless debugging."""
+    import logging
+    import shutil
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.run import main as torchrun
 
     from ..runtime.dist import loopback_interface
+    from . import failure
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)
     if loopback_interface() and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-    torchrun(["--nnodes", "1", "--rdzv-backend", BACKEND, "--rdzv-endpoint", "127.0.0.1:0",
-              *argv])
+    debug = failure.debugging()
+    if not debug:  # the agent's own warnings (SIGTERM sent to the other ranks, ...)
+        logging.disable(logging.CRITICAL)
+    folder = tempfile.mkdtemp(prefix="zeroshard-errors-")
+    os.environ[failure.ERROR_DIR] = folder  # the workers inherit the agent's environment
+    try:
+        torchrun(["--nnodes", "1", "--rdzv-backend", BACKEND, "--rdzv-endpoint",
+                  "127.0.0.1:0", *argv])
+        return 0
+    except ChildFailedError as exc:
+        if debug:
+            sys.stderr.write(exc.format_msg() + "\n")
+        first, _ = exc.get_first_failure()
+        seen = {r: (f.exitcode, f.signal_name() if f.exitcode < 0 else "")
+                for r, f in exc.failures.items()}
+        line, code = failure.told(folder, seen, first)
+        sys.stderr.write(line + "\n")
+        return code
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

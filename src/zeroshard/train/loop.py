@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import shard  # the public zs.shard, wherever the engine defines it
-from ..checkpoint import load, load_pretrained, save
+from ..checkpoint import load, load_pretrained, save, savedir
 from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
 from ..data import Corpus, decode
 from ..models.gpt import GPT, get_preset
@@ -64,11 +64,12 @@ def _save(model, optimizer, cfg: TrainConfig, step: int, extra: dict, out) -> No
     path = Path(cfg.save_dir) / f"step-{step:06d}"
     try:
         save(model, optimizer, path, extra=extra)
-        return
+        return _saved(model, cfg, step, path, out)
     except SaveFailed as exc:
         out.note(f"step {step}: {exc}; trying once more")
     try:
         save(model, optimizer, path, extra=extra)
+        return _saved(model, cfg, step, path, out)
     except SaveFailed as exc:
         try:
             last = resolve(Path(cfg.save_dir))
@@ -78,6 +79,18 @@ def _save(model, optimizer, cfg: TrainConfig, step: int, extra: dict, out) -> No
             done, kept = 0, f"no complete checkpoint is in {cfg.save_dir}"
         raise SaveFailed(f"{exc}, twice. Trained through step {step}; {kept}: steps "
                          f"{done + 1}-{step} are not saved") from None
+
+
+def _saved(model, cfg: TrainConfig, step: int, path: Path, out) -> None:
+    """Say where step ``step`` went; past ``keep_last`` checkpoints, rank 0 removes the
+    oldest (the others wait, so no rank reads a folder being removed)."""
+    removed = savedir.prune(cfg.save_dir, cfg.keep_last) if (
+        cfg.keep_last and model.comm.dp_rank == 0) else []
+    gone = f" (removed {', '.join(p.name for p in removed)}: keep_last={cfg.keep_last})" \
+        if removed else ""
+    out.note(f"step {step}: saved checkpoint {path}{gone}")
+    if cfg.keep_last:
+        dist.barrier(model.comm.group)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -103,18 +116,25 @@ def train(cfg: TrainConfig) -> dict:
            if cfg.json_log and rank == 0 else None)
     losses, evals = [], []
     start = 0
+    out.header()
     if cfg.init_from:
         load_pretrained(model, cfg.init_from)
+        out.note(f"loaded weights from {cfg.init_from}")
     if cfg.resume:
-        extra = load(model, optimizer, Path(cfg.save_dir) if cfg.resume == "latest"
-                     else cfg.resume)
+        where = Path(cfg.save_dir) if cfg.resume == "latest" else cfg.resume
+        extra = load(model, optimizer, where)  # every rank agrees before any raises
+        ckpt = resolve(where)
         if not {"step", "scheduler"} <= set(extra):
             raise ValueError(f"{cfg.resume}: a checkpoint without the trainer's step and "
                              "schedule (saved by zs.save without extra={'step': ..., "
                              "'scheduler': ...}?); start from its weights with --init-from "
                              "after `zeroshard export`, or resume a checkpoint of zeroshard train")
         start = extra["step"]
+        if start >= cfg.steps:  # found before launch under zeroshard train; not under torchrun
+            raise ValueError(f"resume={cfg.resume!r}: {ckpt} is at step {start} and steps="
+                             f"{cfg.steps}: nothing to train; give --steps above {start}")
         scheduler.load_state_dict(extra["scheduler"])
+        out.note(f"resumed from {ckpt} (step {start}): weights, optimizer state, schedule")
     first_eval = evaluate(model, corpus, cfg, "val", rank, world, seq_len)
     out.start(first_eval, start)
     tokens_per_step = cfg.batch * seq_len

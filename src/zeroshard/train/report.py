@@ -8,9 +8,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..plan.memory import comm_bytes, model_state_bytes
+from ..plan.memory import comm_bytes, model_state_bytes, ring_one_way
+from .config import processes
 
 MB = 1e6
+
+
+def planned_comm(params: int, world: int, recipe, stage: int, accum: int) -> int:
+    """Bytes a rank sends per step as planned, with ``accum`` micro-batches per step:
+    every backward reduces its gradients (the loop never skips communication with
+    ``no_sync``), and at stage 3 every forward and backward gathers the weights; stages
+    1-2 gather once, after the step. One micro-batch: the planner's figure."""
+    once = comm_bytes(params, world, recipe, stage)
+    if stage in (0, 3):
+        return accum * once
+    return once + (accum - 1) * ring_one_way(recipe.reduce_bytes * params, world)
 
 
 class Reporter:
@@ -25,16 +37,22 @@ class Reporter:
         self.progress = None
         self.steps_done = 0
 
-    def start(self, val_loss: float, first_step: int = 0) -> None:
+    def header(self) -> None:
+        """The run's settings, before anything is loaded."""
         if not self.enabled:
             return
         c, z = self.cfg, self.cfg.zero
         units = "model" if z.units is None else z.units
         self.console.print(
-            f"zeroshard train: GPT {c.model} ({self.params:,} params), {self.world} processes, "
+            f"zeroshard train: GPT {c.model} ({self.params:,} params), {processes(self.world)}, "
             f"ZeRO stage {z.stage}, {z.mixed_precision or 'fp32'}, units={units}; global "
             f"batch {c.batch} = "
             f"{self.world} x {self.micro} x {self.accum} micro-batch(es), {c.steps} steps")
+
+    def start(self, val_loss: float, first_step: int = 0) -> None:
+        if not self.enabled:
+            return
+        c = self.cfg
         resumed = " (resumed)" if first_step else ""
         self.console.print(f"step {first_step}{resumed}: val loss {val_loss:.4f}")
         self.progress = Progress(
@@ -87,7 +105,7 @@ class Reporter:
                       *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
         self.console.print(t)
         steps = max(1, self.steps_done)
-        planned = comm_bytes(self.params, self.world, recipe, stage)
+        planned = planned_comm(self.params, self.world, recipe, stage, self.accum)
         t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
                   title_justify="left")
         for col in ("collective", "calls/step", "MB/step"):
@@ -95,7 +113,8 @@ class Reporter:
         for kind, s in comm.items():
             t.add_row(kind, f"{s['calls'] / steps:g}", f"{s['bytes'] / steps / MB:.3f}")
         t.add_row("total", "", f"{sum(s['bytes'] for s in comm.values()) / steps / MB:.3f}")
-        t.add_row("planned", "", f"{planned / MB:.3f}")
+        t.add_row("planned", f"{self.accum} micro-batches" if self.accum > 1 else "",
+                  f"{planned / MB:.3f}")
         self.console.print(t)
 
     def profile(self, folder, statements, plan, measured, peak_total) -> None:

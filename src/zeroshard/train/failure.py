@@ -1,0 +1,75 @@
+"""A rank's error, told once: the ranks of ``zeroshard train`` write it, the launcher
+prints it.
+
+Ranks usually fail together and alike (loading, saving and the engine's checks agree
+across ranks before they raise), so N ranks printing the same error, followed by
+torch's launcher's ``ChildFailedError`` report of some 40 lines, bury the one line
+that matters. Under ``zeroshard train`` each failing rank writes its error, already
+formatted as the command's one line, into a folder the launcher names
+(``ZEROSHARD_ERROR_DIR``) and prints nothing; the launcher prints the line of the
+rank that failed first, once, and exits with its code. ``--debug`` (or
+``ZEROSHARD_DEBUG=1``) keeps every rank's traceback and the launcher's own report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from .. import cli as _cli
+
+ERROR_DIR = "ZEROSHARD_ERROR_DIR"
+DEBUG = _cli.DEBUG
+debugging = _cli.debugging
+
+
+def line_of(exc: BaseException) -> tuple[str, int]:
+    """``zeroshard train``'s one line for ``exc`` and its exit code."""
+    return _cli.line_of(exc, "zeroshard train")
+
+
+def record(exc: BaseException, rank: int) -> int:
+    """On a rank started by the launcher: write ``exc``'s line for the launcher (and,
+    when debugging, the traceback to stderr); return the exit code. Elsewhere (plain
+    torchrun) the line goes to stderr, prefixed by the rank."""
+    line, code = line_of(exc)
+    if debugging():
+        traceback.print_exception(exc)
+    folder = os.environ.get(ERROR_DIR)
+    if folder and Path(folder).is_dir():
+        tmp = Path(folder) / f".rank{rank}.json"
+        tmp.write_text(json.dumps({"rank": rank, "line": line, "code": code}))
+        os.replace(tmp, Path(folder) / f"rank{rank}.json")  # whole, or not there at all
+    else:
+        sys.stderr.write(f"[rank {rank}] {line}\n")
+    return code
+
+
+def recorded(folder: str | Path) -> dict[int, dict]:
+    """The errors the ranks wrote into ``folder``, by rank."""
+    out = {}
+    for path in Path(folder).glob("rank*.json"):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(entry["rank"])] = entry
+    return out
+
+
+def told(folder: str | Path, failures: dict[int, tuple[int, str]], first: int) -> tuple[str, int]:
+    """The launcher's line and exit code for a failed run: the line of the rank that
+    failed first if it wrote one, else any rank's, else what the launcher saw
+    (``failures``: rank -> (exit code, signal name or ""))."""
+    lines = recorded(folder)
+    for rank in (first, *sorted(lines)):
+        if rank in lines:
+            return lines[rank]["line"], int(lines[rank]["code"])
+    code, signal = failures[first]
+    how = f"was killed by {signal}" if signal else f"exited with code {code}"
+    return (f"zeroshard train: error: rank {first} {how} without an error of its own "
+            f"(out of memory, or killed from outside?); --debug or {DEBUG}=1 for the "
+            "launcher's report"), 1

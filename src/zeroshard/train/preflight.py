@@ -1,0 +1,117 @@
+"""Every path of a ``zeroshard train`` run, checked before any process starts.
+
+A path that cannot serve the run used to be found where it was first used: a
+``--profile`` folder that is a file after every step had been trained, a ``--json-log``
+in a missing folder as a traceback on every rank, a checkpoint of another model after
+the ranks had built theirs. Each is found here instead, as one line naming the setting,
+the path and the problem; the ranks check again as they read (under ``torchrun`` they
+start without this launcher, so theirs are the only checks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from .._paths import folder, output_file
+from .config import TrainConfig
+
+
+def model_shapes(model: str) -> dict[str, tuple[int, ...]]:
+    """The built-in GPT preset's parameter names and shapes (built on the meta device:
+    no memory, no initialisation)."""
+    import torch
+
+    from ..models.gpt import GPT, get_preset
+
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in GPT(get_preset(model)).named_parameters()}
+
+
+def _same_model(where: str, found: dict[str, tuple[int, ...]],
+                shapes: dict[str, tuple[int, ...]], model: str) -> None:
+    """``found`` (name -> shape in a file) holds the preset's parameters exactly."""
+    for name, shape in shapes.items():
+        if name not in found:
+            raise ValueError(f"{where}: not a GPT {model} (no tensor {name!r}); give the "
+                             "--model it was trained as")
+        if tuple(found[name]) != shape:
+            raise ValueError(f"{where}: not a GPT {model} ({name!r} has shape "
+                             f"{tuple(found[name])}, the model {shape}); give the --model it "
+                             "was trained as")
+
+
+def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> int:
+    """The checkpoint to resume: found, of this model, saved by the trainer, and short of
+    ``steps``. Returns its step."""
+    from ..checkpoint.sharded import read_manifest, resolve
+
+    ckpt = resolve(Path(cfg.save_dir) if cfg.resume == "latest" else cfg.resume)
+    manifest = read_manifest(ckpt)
+    _same_model(str(ckpt), {n: p["shape"] for n, p in manifest["params"].items()}, shapes,
+                cfg.model)
+    extra = manifest["extra"]
+    if not {"step", "scheduler"} <= set(extra):
+        raise ValueError(f"resume={cfg.resume!r}: {ckpt} was not saved by zeroshard train (no "
+                         "step and schedule); start from its weights with --init-from after "
+                         "`zeroshard export`")
+    done = int(extra["step"])
+    if done >= cfg.steps:
+        raise ValueError(f"resume={cfg.resume!r}: {ckpt} is at step {done} and steps="
+                         f"{cfg.steps}: nothing to train; give --steps above {done} (the "
+                         "total, counting the steps already trained)")
+    return done
+
+
+def init_from(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The weights to start from: safetensors (a file, or a folder with an export) holding
+    this model's parameters."""
+    from ..checkpoint.consolidated import _weight_map
+    from ..checkpoint.tensorfile import TensorFile
+
+    path = Path(cfg.init_from)
+    if not path.exists():
+        raise ValueError(f"init_from={cfg.init_from!r}: no such file or folder")
+    try:
+        wmap = _weight_map(path)
+        found, opened = {}, {}
+        for name in shapes:
+            if name in wmap:
+                f = opened.setdefault(wmap[name], TensorFile(str(wmap[name])))
+                found[name] = f.shape(name)
+    except OSError as exc:
+        raise ValueError(f"init_from={cfg.init_from!r} cannot be read "
+                         f"({exc.strerror or exc})") from None
+    _same_model(f"init_from={cfg.init_from!r}", found, shapes, cfg.model)
+
+
+def _save_dir(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]):
+    """The save folder checked (writable, room for a checkpoint beside the last) and
+    held for the run (``checkpoint/savedir.py``)."""
+    from ..checkpoint import savedir
+
+    if not cfg.save_dir:
+        return contextlib.nullcontext()
+    params = 0
+    for shape in shapes.values():
+        n = 1
+        for d in shape:
+            n *= d
+        params += n
+    savedir.check(cfg.save_dir, 2 * savedir.checkpoint_bytes(params, cfg.zero.recipe))
+    return savedir.hold(cfg.save_dir)
+
+
+def check(cfg: TrainConfig):
+    """Check every path of ``cfg``; return the context that holds the save folder for the
+    run."""
+    shapes = model_shapes(cfg.model)
+    if cfg.resume:
+        resume(cfg, shapes)
+    if cfg.init_from:
+        init_from(cfg, shapes)
+    if cfg.json_log:
+        output_file("json_log", cfg.json_log)
+    if cfg.profile:
+        folder("profile", cfg.profile)
+    return _save_dir(cfg, shapes)
