@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from .._paths import output_file
 from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hfconfig import KINDS, from_hf_config
@@ -128,13 +128,8 @@ def _positive(name: str, value) -> None:
 
 def _writable(flag: str, path: str | None) -> None:
     """An output file's folder must exist and take writes: found before any work."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"--{flag}={path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"--{flag}={path}: folder {folder} is not writable")
+    if path is not None:
+        output_file(f"--{flag}", path)
 
 
 def _sweep(spec: str) -> list[int]:
@@ -182,7 +177,7 @@ def run(args) -> int:
                         seq_len=args.seq_len, checkpointing=not args.no_checkpointing,
                         flash_attention=args.flash_attention, gpu_step=args.gpu_step,
                         tp=args.tp or 1)
-        print(f"wrote {args.html}", file=sys.stderr)
+        render.wrote(args.html)
     if args.recommend:
         rec = timecmd.run_recommend(args, model, recipe, budget)
         if args.json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 
 from rich.console import Console
 from rich.table import Table
@@ -113,7 +114,12 @@ def plot(path, model, recipe, gpus, budget, plans, shown, unit, gib) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    line(f"wrote {path}")
+    wrote(path)
+
+
+def wrote(path: str) -> None:
+    """Say a file was written, on stderr (stdout may be --json), for every output file."""
+    sys.stderr.write(f"wrote {path}\n")
 
 
 def time_table(times, plans, shown, args) -> None:
