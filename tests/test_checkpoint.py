@@ -305,4 +305,6 @@ def test_resuming_a_checkpoint_without_the_trainers_step_says_so(tmp_path, capfd
     capfd.readouterr()
     assert main([*base, "--resume", str(tmp_path / "a" / "step-000002")]) != 0
     err = capfd.readouterr().err
-    assert "a checkpoint without the trainer's step and schedule (saved by zs.save" in err
+    assert "was not saved by zeroshard train (no step and schedule); start from its " \
+        "weights with --init-from after `zeroshard export`" in err  # found before launch
+    assert err.count("\n") == 1, err

@@ -134,7 +134,7 @@ def test_config_file_flags_win(tmp_path):
     (["--micro-batch", "3"], "micro_batch=3 does not divide the 8 sequences"),
     (["--model", "huge"], "model='huge'; expected one of tiny, small, medium"),
     (["--steps", "0"], "steps=0 must be a positive number"),
-    (["--resume", "/nonexistent"], "/nonexistent is not a zeroshard checkpoint"),
+    (["--resume", "/nonexistent"], "/nonexistent: no such checkpoint folder"),
     (["--init-from", "/nonexistent"], "init_from='/nonexistent': no such file"),
     (["--stage", "5"], "error: stage=5 is not a ZeRO stage; expected 0, 1, 2 or 3"),
     (["--mixed-precision", "fp8"], "mixed_precision='fp8' is not supported; expected None, "
@@ -143,7 +143,7 @@ def test_config_file_flags_win(tmp_path):
     (["--mixed-precision", "fp16"], "not supported: fp16 compute needs dynamic loss scaling"),
     (["--reduce-dtype", "fp16"], "reduce_dtype='fp16'; expected 'fp32' or 'bf16'"),
     (["--units", "layers"], "units='layers'; expected 'blocks', 'model' or a parameter count"),
-    (["--units", "0"], "units='0'; expected 'blocks', 'model' or a parameter count"),
+    (["--units", "0"], "units=0 must be a positive parameter count"),
     (["--prefetch", "-1"], "prefetch=-1 must be an integer >= 0"),
     (["--reduce-bucket-size", "-5"], "reduce_bucket_size=-5 must be an integer >= 0"),
 ])
