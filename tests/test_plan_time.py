@@ -315,7 +315,7 @@ def test_tp_must_divide_gpus():
 
 H100 = Cluster(Accelerator("h100", 989e12, 3.35e12), get_network("nvlink4-ndr"))
 CASES = [(m, n) for m in ("llama2-7b", "llama2-13b", "llama2-70b") for n in (8, 16, 64, 256)]
-KEYS = ("stage", "tp", "unit size", "prefetch", "checkpointing", "micro-batch")
+KEYS = ("stage", "tp", "shard group", "unit size", "prefetch", "checkpointing", "micro-batch")
 
 
 def test_7b_on_one_h100_node_by_hand():
@@ -361,7 +361,7 @@ def test_recommend_seed_models(name, gpus):
     # feasible by the planner's own peak: the loss's backward, a unit's, the step
     work = Workload(b.micro_batch * 2048, 2048, b.checkpointing)
     planned = peak(model, BF16, work, gpus, b.stage, b.prefetch, b.blocks_per_unit, b.tp,
-                   b.accumulation)
+                   b.accumulation, shard_group=b.shard_group)
     assert b.memory == planned.bytes <= budget * (1 - HEADROOM)
     assert gpus // b.tp * b.micro_batch * b.accumulation == 1024
     assert rec.runners_up and all(c.time.step >= b.time.step * 0.99 for c in rec.runners_up)

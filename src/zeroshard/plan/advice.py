@@ -87,9 +87,27 @@ def first_fit(plans) -> str | None:
     return None
 
 
+def min_shard_group(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
+                    work: Workload | None = None) -> int | None:
+    """The smallest shard group (a divisor of ``gpus``) in which ZeRO-3 fits ``budget``
+    under hybrid sharding, or None; per-GPU memory falls as the group grows."""
+    for k in (d for d in range(1, gpus + 1) if gpus % d == 0):
+        if plan_strategy(model, gpus, recipe, 3, work, budget, shard_group=k).fits:
+            return k
+    return None
+
+
 def why_none_fits(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
-                  work: Workload | None = None) -> str:
-    """One sentence on why no strategy fits at ``gpus`` GPUs."""
+                  work: Workload | None = None, shard_group: int | None = None) -> str:
+    """One sentence on why no strategy fits at ``gpus`` GPUs (in shard groups of
+    ``shard_group``: more GPUs do not help there, a larger group does)."""
+    if shard_group is not None and shard_group < gpus:
+        k = min_shard_group(model, recipe, gpus, budget, work)
+        if k is not None:
+            return (f"nothing fits in shard groups of {shard_group} on {gpus} GPUs; ZeRO-3 "
+                    f"fits in groups of {k}")
+        return (f"nothing fits in shard groups of {shard_group} on {gpus} GPUs, nor does "
+                "ZeRO-3 over all of them; " + why_none_fits(model, recipe, gpus, budget, work))
     need = min_gpus(model, recipe, "ZeRO-3", budget, work)
     if need.gpus is None:
         return (

@@ -12,6 +12,7 @@ examples:
   zeroshard plan --model llama2-70b --gpus 64 --html plan.html
   zeroshard plan --model llama2-13b --gpus 64 --time --global-batch 1024
   zeroshard plan --model llama2-70b --gpus 64 --network pcie4-roce --recommend
+  zeroshard plan --model llama2-13b --gpus 64 --shard-group node --time
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs N (default 8); ZeRO shards over N / --tp of them")
     h.add_argument("--gpu-mem", type=float, default=80.0,
                    help="memory per GPU in GB (GiB with --gib); default 80")
+    h.add_argument("--shard-group", metavar="K|node",
+                   help="hybrid sharding: shard over groups of K data-parallel ranks and "
+                        "replicate across the N / K groups; 'node': --gpus-per-node / --tp "
+                        "(default: plain, over all N); bytes are split inside/across groups")
     h.add_argument("--gib", action="store_true", help="every figure in GiB instead of GB")
     h.add_argument("--precision", default=DEFAULT_RECIPE, metavar="RECIPE",
                    help=f"one of {', '.join(RECIPES)}, or custom bytes W/G/O "
@@ -176,12 +181,13 @@ def run(args) -> int:
                         gpu_mem=args.gpu_mem, gib=args.gib, recipe=recipe, tokens=args.tokens,
                         seq_len=args.seq_len, checkpointing=not args.no_checkpointing,
                         flash_attention=args.flash_attention, gpu_step=args.gpu_step,
-                        tp=args.tp or 1)
+                        tp=args.tp or 1, shard_group=timecmd.shard_group(args))
         render.wrote(args.html)
     if args.recommend:
         rec = timecmd.run_recommend(args, model, recipe, budget)
         if args.json:
             json.dump({"model": model.name, "params": model.params, "gpus": args.gpus,
+                       "shard_group": timecmd.shard_group(args, per_tp=True),
                        "recipe": recipe.name, "budget": budget, "accelerator": args.accelerator,
                        "network": args.network, "recommend": rec.as_dict()}, sys.stdout,
                       indent=2)
@@ -192,10 +198,14 @@ def run(args) -> int:
     tp = args.tp or 1
     if tp > 1 and args.min_gpus:
         raise ValueError(f"--min-gpus searches data-parallel GPU counts only; drop --tp={tp}")
-    plans = plan_all(model, args.gpus, recipe, work, budget, tp)
+    group = timecmd.shard_group(args)
+    if group is not None and args.min_gpus:
+        raise ValueError("--min-gpus searches GPU counts for plain sharding; under "
+                         f"--shard-group={args.shard_group} memory depends on the group alone")
+    plans = plan_all(model, args.gpus, recipe, work, budget, tp, group)
     prefetch = 1 if args.prefetch is None else args.prefetch
-    peaks = [peak(model, recipe, work, args.gpus, s, prefetch, args.blocks_per_unit, tp)
-             for s in range(4)]
+    peaks = [peak(model, recipe, work, args.gpus, s, prefetch, args.blocks_per_unit, tp,
+                  shard_group=group) for s in range(4)]
     times = timecmd.run_time(args, model, recipe, work) if args.time else None
     fit = advice.first_fit(plans)
     if args.gpu_step is not None and not args.min_gpus:
@@ -203,12 +213,13 @@ def run(args) -> int:
     _positive("gpu-step", args.gpu_step)
     mins = [advice.min_gpus(model, recipe, s, budget, work, args.gpu_step)
             for s in STRATEGIES] if args.min_gpus else None
-    sweep_plans = ({n: plan_all(model, n, recipe, work, budget, tp) for n in sweep}
+    sweep_plans = ({n: plan_all(model, n, recipe, work, budget, tp, group) for n in sweep}
                    if sweep else None)
 
     if args.json:
         out = {
             "model": model.name, "params": model.params, "gpus": args.gpus,
+            "shard_group": group,
             "recipe": recipe.name, "tokens": work.tokens, "budget": budget,
             "first_fit": fit,
             "strategies": [{**p.as_dict(), "peak": q.as_dict()}
@@ -230,7 +241,7 @@ def run(args) -> int:
                         f"{p.strategy} {q.bytes / unit:.2f} at the {q.moment}"
                         for p, q in zip(plans, peaks) if p.strategy in shown))
         if fit is None:
-            render.line(advice.why_none_fits(model, recipe, args.gpus, budget, work))
+            render.line(advice.why_none_fits(model, recipe, args.gpus, budget, work, group))
         else:
             render.line(f"first fit on {args.gpus} GPUs: {fit}")
         if mins is not None:

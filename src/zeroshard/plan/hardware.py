@@ -117,13 +117,17 @@ class Cluster:
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"gpus_per_node={n!r} must be a positive integer")
 
-    def link(self, ranks: int) -> Link:
-        """The level a ring of ``ranks`` consecutive GPUs is bound by: within a node if
-        it fits in one, else the slower of the two (a ring is as fast as its slowest
-        hop; with a NIC per GPU each GPU's share crosses its own NIC, which is how NCCL's
-        bus bandwidth saturates at the NIC rate across nodes)."""
-        if ranks <= self.gpus_per_node:
+    def link(self, ranks: int, stride: int = 1) -> Link:
+        """The level a ring of ``ranks`` GPUs ``stride`` apart is bound by (consecutive
+        GPUs by default; hybrid sharding's replicas are a shard group's width apart):
+        within a node if the ring's span fits in one; between nodes alone if every hop
+        crosses (a stride of whole nodes); else the slower of the two (a ring is as
+        fast as its slowest hop; with a NIC per GPU each GPU's share crosses its own
+        NIC, which is how NCCL's bus bandwidth saturates at the NIC rate across nodes)."""
+        if (ranks - 1) * stride + 1 <= self.gpus_per_node:
             return self.network.intra
+        if stride % self.gpus_per_node == 0:
+            return self.network.inter
         a, b = self.network.intra, self.network.inter
         return Link(f"{a.name}+{b.name}", min(a.bandwidth, b.bandwidth),
                     max(a.latency, b.latency))

@@ -35,6 +35,10 @@ and layer inputs stay replicated. TP's own traffic is activations: two all-reduc
 of Megatron-LM, fig. 4), and two more when checkpointing recomputes the forward. With
 ``tp = 1`` every formula is the one above, to the byte.
 
+Hybrid sharding (``shard_group`` K; ``plan/comm.py``): stage k shards over groups of K
+of the data-parallel ranks and replicates across the groups, so memory is the plain
+figure at K ranks (floor 16P/K at stage 3) and the bytes split into two levels.
+
 Every figure is an integer number of bytes; sharded figures round up (a rank holds
 whole elements).
 """
@@ -45,6 +49,14 @@ from dataclasses import dataclass
 
 from .activations import family_bytes, korthikanti_bytes
 from .arch import ModelSpec
+from .comm import (  # noqa: F401 - re-exported: the planner's communication model
+    comm_bytes,
+    comm_bytes_by_level,
+    dp_degree,
+    ring_all_reduce,
+    ring_one_way,
+    shard_degree,
+)
 from .recipes import Recipe
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -86,15 +98,6 @@ class Workload:
             raise ValueError(f"checkpoint_every={k!r} must be a positive integer")
 
 
-def dp_degree(gpus: int, tp: int = 1) -> int:
-    """Data-parallel ranks when ``gpus`` GPUs run tensor parallelism of degree ``tp``."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
-        raise ValueError(f"tp={tp!r} must be a positive integer")
-    if gpus % tp:
-        raise ValueError(f"gpus={gpus} is not divisible by tp={tp}")
-    return gpus // tp
-
-
 def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
                      tp: int = 1) -> int | None:
     """Activation bytes per GPU at their peak (``plan/activations.py``): the family's
@@ -125,16 +128,6 @@ def tp_comm_bytes(model: ModelSpec, recipe: Recipe, work: Workload, tp: int) -> 
     return model.layers * per_layer * ring_all_reduce(t, tp)
 
 
-def ring_all_reduce(t: int, n: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of t bytes: 2(N-1)/N·t."""
-    return _ceil_div(2 * (n - 1) * t, n)
-
-
-def ring_one_way(t: int, n: int) -> int:
-    """Bytes one rank sends in a ring reduce-scatter or all-gather of t bytes: (N-1)/N·t."""
-    return _ceil_div((n - 1) * t, n)
-
-
 @dataclass(frozen=True)
 class StrategyPlan:
     """Bytes per GPU for one strategy."""
@@ -152,6 +145,16 @@ class StrategyPlan:
     """Tensor-parallel degree; ZeRO shards over ``gpus / tp`` data-parallel ranks."""
     tp_comm: int = 0
     """Bytes sent per GPU per micro-batch in TP's activation all-reduces (beside ``comm``)."""
+    shard_group: int | None = None
+    """Hybrid sharding: the stage shards over groups of this many data-parallel ranks
+    and replicates across the groups (None: over all of them)."""
+    comm_across: int = 0
+    """Of ``comm``, the bytes sent across shard groups (the replicas' all-reduce)."""
+
+    @property
+    def comm_inside(self) -> int:
+        """Of ``comm``, the bytes sent inside the shard group (all of it when plain)."""
+        return self.comm - self.comm_across
 
     @property
     def total(self) -> int:
@@ -173,6 +176,9 @@ class StrategyPlan:
             "fits": self.fits,
             "tp": self.tp,
             "tp_comm": self.tp_comm,
+            "shard_group": self.shard_group,
+            "comm_inside": self.comm_inside,
+            "comm_across": self.comm_across,
         }
 
 
@@ -191,32 +197,21 @@ def stage_of(strategy: str | int) -> int:
 
 
 def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
-                      tp: int = 1) -> tuple[int, int, int]:
+                      tp: int = 1, shard_group: int | None = None) -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU: stage k shards the first k of
-    (optimizer, grads, weights) over ``gpus / tp`` ranks, after TP divides all by ``tp``."""
-    dp = dp_degree(gpus, tp)
+    (optimizer, grads, weights) over ``gpus / tp`` ranks (or a shard group of K of
+    them), after TP divides all by ``tp``."""
+    k = shard_degree(gpus, tp, shard_group)
 
     def part(bytes_per_param: int, sharded: bool) -> int:
         total = _ceil_div(bytes_per_param * params, tp)
-        return _ceil_div(total, dp) if sharded else total
+        return _ceil_div(total, k) if sharded else total
 
     return (
         part(recipe.weight_bytes, stage >= 3),
         part(recipe.grad_bytes, stage >= 2),
         part(recipe.optimizer_bytes, stage >= 1),
     )
-
-
-def comm_bytes(params: int, gpus: int, recipe: Recipe, stage: int, tp: int = 1) -> int:
-    """Bytes one GPU sends per step under ring accounting (its 1/tp of the model, over
-    the ``gpus / tp`` data-parallel ranks)."""
-    dp = dp_degree(gpus, tp)
-    grads = _ceil_div(recipe.reduce_bytes * params, tp)
-    weights = _ceil_div(recipe.weight_bytes * params, tp)
-    if stage == 0:
-        return ring_all_reduce(grads, dp)
-    gathers = 2 if stage == 3 else 1  # ZeRO-3 gathers for forward and again for backward
-    return ring_one_way(grads, dp) + gathers * ring_one_way(weights, dp)
 
 
 def plan_strategy(
@@ -227,25 +222,30 @@ def plan_strategy(
     work: Workload | None = None,
     budget: int | None = None,
     tp: int = 1,
+    shard_group: int | None = None,
 ) -> StrategyPlan:
-    """Per-GPU bytes of one strategy on ``gpus`` GPUs (``gpus / tp`` data-parallel ranks)."""
+    """Per-GPU bytes of one strategy on ``gpus`` GPUs (``gpus / tp`` data-parallel ranks,
+    sharded over all of them or over groups of ``shard_group``)."""
     if not isinstance(gpus, int) or gpus <= 0:
         raise ValueError(f"gpus={gpus!r} must be a positive integer")
-    dp_degree(gpus, tp)
+    shard_degree(gpus, tp, shard_group)
     stage = stage_of(strategy)
     work = work or Workload()
-    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp)
+    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp,
+                                                  shard_group)
+    levels = comm_bytes_by_level(model.params, gpus, recipe, stage, shard_group, tp)
     return StrategyPlan(
         STRATEGIES[stage], weights, grads, optimizer,
-        activation_bytes(model, recipe, work, tp),
-        comm_bytes(model.params, gpus, recipe, stage, tp),
-        budget, tp, tp_comm_bytes(model, recipe, work, tp),
+        activation_bytes(model, recipe, work, tp), levels["inside"] + levels["across"],
+        budget, tp, tp_comm_bytes(model, recipe, work, tp), shard_group, levels["across"],
     )
 
 
-def plan_all(model, gpus, recipe, work=None, budget=None, tp=1) -> list[StrategyPlan]:
+def plan_all(model, gpus, recipe, work=None, budget=None, tp=1,
+             shard_group=None) -> list[StrategyPlan]:
     """One :class:`StrategyPlan` per strategy, DDP first."""
-    return [plan_strategy(model, gpus, recipe, s, work, budget, tp) for s in range(4)]
+    return [plan_strategy(model, gpus, recipe, s, work, budget, tp, shard_group)
+            for s in range(4)]
 
 
 def transient_bytes(recipe: Recipe, stage: int, gpus: int, largest_unit: int,

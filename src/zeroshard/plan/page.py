@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .advice import MAX_GPUS
 from .arch import PRESETS, Architecture, ModelSpec
-from .memory import STRATEGIES, Workload
+from .memory import STRATEGIES, Workload, shard_degree
 from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
 
 #: GPU memory choices offered on the page, in GB (24 GB consumer cards to 141 GB H200).
@@ -93,7 +93,7 @@ def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = Fals
               recipe: str | Recipe = DEFAULT_RECIPE, tokens: int = 2048,
               seq_len: int | None = None, checkpointing: bool = True,
               flash_attention: bool = False, gpu_step: int | None = None,
-              tp: int = 1) -> dict:
+              tp: int = 1, shard_group: int | None = None) -> dict:
     """Everything the page's scripts read: the planner's definitions and the initial
     state of the controls (the same meaning as ``zeroshard plan``'s flags)."""
     if tp != 1:
@@ -104,6 +104,7 @@ def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = Fals
         raise ValueError(f"gpu_mem={gpu_mem!r} must be positive")
     if gpu_step is not None and gpu_step <= 0:
         raise ValueError(f"gpu_step={gpu_step!r} must be positive")
+    shard_degree(gpus, 1, shard_group)  # validates the group: it divides the GPUs
     Workload(tokens, seq_len, checkpointing, flash_attention)  # validates the workload
     recipe = get_recipe(recipe)
     recipes = {name: _recipe_data(r) for name, r in RECIPES.items()}
@@ -120,6 +121,7 @@ def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = Fals
             "unit": "GiB" if gib else "GB", "recipe": _recipe_key(recipe), "tokens": tokens,
             "seq_len": seq_len, "checkpointing": checkpointing,
             "flash_attention": flash_attention, "gpu_step": gpu_step,
+            "shard_group": shard_group,
         },
     }
 
@@ -146,8 +148,9 @@ def write_page(path: str | Path, **state) -> Path:
     ``state`` sets the controls the page opens with: ``model`` (a preset name, an
     :class:`Architecture` or a :class:`ModelSpec`), ``gpus``, ``gpu_mem`` (GB, or GiB
     with ``gib=True``), ``recipe`` (a name, ``W/G/O`` or a :class:`Recipe`), ``tokens``,
-    ``seq_len``, ``checkpointing``, ``flash_attention`` and ``gpu_step`` (None: the
-    fewest-GPU search tries powers of two). ``tp`` must be 1: the page has no tensor
+    ``seq_len``, ``checkpointing``, ``flash_attention``, ``gpu_step`` (None: the
+    fewest-GPU search tries powers of two) and ``shard_group`` (hybrid sharding's group
+    size; None: plain). ``tp`` must be 1: the page has no tensor
     parallelism.
 
     The only address in the page is the SVG namespace's name, which is never fetched:

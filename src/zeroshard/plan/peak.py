@@ -32,7 +32,13 @@ from dataclasses import dataclass
 
 from .activations import head_bytes, loss_backward_bytes
 from .arch import ModelSpec
-from .memory import Workload, activation_bytes, dp_degree, model_state_bytes, transient_bytes
+from .memory import (
+    Workload,
+    activation_bytes,
+    model_state_bytes,
+    shard_degree,
+    transient_bytes,
+)
 from .recipes import Recipe
 
 #: How the optimizer's temporaries are counted: all owned elements, none, one parameter.
@@ -130,14 +136,17 @@ def unit_params(model: ModelSpec, blocks_per_unit: int, tp: int = 1) -> tuple[in
 
 def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int,
          prefetch: int = 1, blocks_per_unit: int = 1, tp: int = 1, micro_batches: int = 1,
-         optimizer_impl: str = "foreach") -> Peak:
+         optimizer_impl: str = "foreach", shard_group: int | None = None) -> Peak:
     """The :class:`Peak` of one GPU of ``gpus`` at ``stage`` running ``micro_batches``
-    micro-batches of ``work`` per step."""
+    micro-batches of ``work`` per step; with ``shard_group`` K (hybrid sharding) every
+    shard, reduction buffer and owned slice is that of K ranks (the replicas'
+    all-reduce runs in place on the reduced slot: nothing more is held)."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r}; expected one of "
                          f"{', '.join(OPTIMIZER_IMPLS)}")
-    dp = dp_degree(gpus, tp)
-    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp)
+    dp = shard_degree(gpus, tp, shard_group)  # the ranks each category is sharded over
+    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp,
+                                                  shard_group)
     acts = activation_bytes(model, recipe, work, tp) or 0
     head = 0
     loss = 0

@@ -40,24 +40,34 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
              f"({recipe.total_bytes} bytes/param), {work.tokens:,} tokens, {act}")
     if plans[0].tp > 1:
         title += f", TP = {plans[0].tp} (ZeRO over {gpus // plans[0].tp} ranks)"
+    k = plans[0].shard_group
+    if k is not None:
+        title += f", {hybrid_title(k, gpus // plans[0].tp)}"
+    levels = [f"inside {u}", f"across {u}"] if k is not None else []
     t = Table(title=title, title_justify="left")
     for col in ("strategy", "weights", "grads", "optim", "activ", f"total {u}", f"comm {u}",
-                "vs DDP", f"fits {budget / unit:g} {u}"):
+                *levels, "vs DDP", f"fits {budget / unit:g} {u}"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     ddp_comm = plans[0].comm
     for p in plans:
         if p.strategy not in shown:
             continue
         ratio = f"{p.comm / ddp_comm:.2f}x" if ddp_comm else "n/a"
+        split = [_fmt(p.comm_inside, unit), _fmt(p.comm_across, unit)] if levels else []
         t.add_row(p.strategy, _fmt(p.weights, unit), _fmt(p.grads, unit), _fmt(p.optimizer, unit),
-                  _fmt(p.activations, unit, 3), _fmt(p.total, unit), _fmt(p.comm, unit), ratio,
-                  "yes" if p.fits else "no")
+                  _fmt(p.activations, unit, 3), _fmt(p.total, unit), _fmt(p.comm, unit),
+                  *split, ratio, "yes" if p.fits else "no")
     _console().print(t)
     if plans[0].activations is None:
         line("activations: not modelled (give --hidden and --layers)")
     if plans[0].tp > 1:
         line(f"TP all-reduces: {_fmt(plans[0].tp_comm, unit)} {u} per GPU per micro-batch "
              "(beside the comm column)")
+
+
+def hybrid_title(k: int, dp: int) -> str:
+    """'shard groups of 8 (8 replicas)': hybrid sharding's two levels in a title."""
+    return f"shard groups of {k} ({dp // k} replica{'s' if dp // k > 1 else ''})"
 
 
 def min_gpus_table(mins, shown, budget, unit, gib, step) -> None:
@@ -125,23 +135,27 @@ def wrote(path: str) -> None:
 def time_table(times, plans, shown, args) -> None:
     """Predicted seconds per step and where they go, one row per strategy."""
     prefetch = 1 if args.prefetch is None else args.prefetch
+    k = plans[0].shard_group
+    group = f", {hybrid_title(k, args.gpus // plans[0].tp)}" if k is not None else ""
     t = Table(title=(f"step time on {args.gpus} x {args.accelerator} ({args.network}, "
-                     f"{args.gpus_per_node} per node), {args.blocks_per_unit} block(s) per "
-                     f"unit, prefetch {prefetch}"), title_justify="left")
+                     f"{args.gpus_per_node} per node){group}, {args.blocks_per_unit} block(s) "
+                     f"per unit, prefetch {prefetch}"), title_justify="left")
+    across = ["across s"] if k is not None else []
     for col in ("strategy", "step s", "compute s", "TP s", "optimizer s", "copies s",
-                "comm s", "exposed s", "tokens/s/GPU", "fits"):
+                "comm s", *across, "exposed s", "tokens/s/GPU", "fits"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for st, p in zip(times, plans):
         if st.strategy in shown:
             t.add_row(st.strategy, f"{st.step:.3f}", f"{st.compute:.3f}", f"{st.tp_comm:.3f}",
                       f"{st.optimizer:.4f}", f"{st.copies:.4f}", f"{st.comm:.3f}",
-                      f"{st.exposed:.3f}",
+                      *([f"{st.across:.3f}"] if across else []), f"{st.exposed:.3f}",
                       f"{st.tokens_per_gpu:,.0f}", "yes" if p.fits else "no")
     _console().print(t)
 
 
 def _config_row(c, best, unit) -> list[str]:
-    return [c.strategy, str(c.tp), str(c.blocks_per_unit),
+    return [c.strategy, str(c.tp), "all" if c.shard_group is None else str(c.shard_group),
+            str(c.blocks_per_unit),
             str(c.prefetch) if c.stage == 3 else "-", "on" if c.checkpointing else "off",
             f"{c.micro_batch} x {c.accumulation}", _fmt(c.memory, unit), f"{c.time.step:.3f}",
             f"{c.time.tokens_per_gpu:,.0f}", f"{c.time.exposed:.3f}",
@@ -158,7 +172,10 @@ def recommendation(model, recipe, args, rec, unit, gib) -> None:
         line(rec.reasons["none"])
         return
     b = rec.best
-    values = {"stage": b.strategy, "tp": str(b.tp), "unit size": f"{b.blocks_per_unit} block(s)",
+    group = ("all (plain)" if b.shard_group is None else
+             f"{b.shard_group} ({b.dp // b.shard_group} replicas)")
+    values = {"stage": b.strategy, "tp": str(b.tp), "shard group": group,
+              "unit size": f"{b.blocks_per_unit} block(s)",
               "prefetch": str(b.prefetch) if b.stage == 3 else "-",
               "checkpointing": "on" if b.checkpointing else "off",
               "micro-batch": f"{b.micro_batch} x {b.accumulation} steps"}
@@ -173,8 +190,8 @@ def recommendation(model, recipe, args, rec, unit, gib) -> None:
     for note in rec.notes:
         line(f"note: {note}")
     r = Table(title="runners-up (fastest first)", title_justify="left")
-    for col in ("stage", "TP", "blocks/unit", "prefetch", "ckpt", "micro x accum", f"mem {u}",
-                "step s", "tokens/s/GPU", "exposed s", "vs best"):
+    for col in ("stage", "TP", "group", "blocks/unit", "prefetch", "ckpt", "micro x accum",
+                f"mem {u}", "step s", "tokens/s/GPU", "exposed s", "vs best"):
         r.add_column(col, justify="left" if col == "stage" else "right")
     for c in (b, *rec.runners_up):
         r.add_row(*_config_row(c, b, unit))

@@ -35,6 +35,15 @@ order; the compute stream waits on them only where the engine waits:
   at the memory rate on the compute stream where the engine makes them (it has no copy
   streams).
 
+**Hybrid sharding** (``Schedule.shard_group`` K): the stage's gathers and reductions run
+over the K ranks of a shard group, on the link of its K·tp consecutive GPUs (NVLink when
+K·tp is a node or less); each reduction, once waited, is followed by the all-reduce of
+the reduced slot (stage 0: the whole buffer) over the R = dp / K replicas, on the link
+of R GPUs K·tp apart (the inter-node link when the group fills a node). The engine
+issues that all-reduce when it waits for the reduction, and waits for it at once
+(``runtime/collectives.py``, ``_across``): it is on the compute stream, never hidden,
+and the two levels are separate channels.
+
 On a network marked ``overlap=False`` (gloo on a CPU, whose transfers take the cores
 that compute) nothing hides: compute + TP + optimizer + copies + every collective.
 
@@ -48,8 +57,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import ModelSpec
-from .hardware import GLOO_BROADCAST_MAX, Cluster, Link
-from .memory import STRATEGIES, Workload, dp_degree
+from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
+from .hardware import Cluster, Link
+from .memory import STRATEGIES, Workload, dp_degree, shard_degree
 from .recipes import Recipe
 
 #: Micro-batches simulated before the steady-state increment is repeated.
@@ -74,91 +84,6 @@ def train_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -
     return forward * (4 if checkpointing else 3)
 
 
-def _cast(n: float, a: str, b: str, a_bytes: int, b_bytes: int) -> float:
-    """Bytes of ``Tensor.to`` over ``n`` elements from dtype a to b: none when they are
-    the same dtype (``.to`` returns the tensor itself), else a read and a write."""
-    return 0.0 if a == b else n * (a_bytes + b_bytes)
-
-
-@dataclass(frozen=True)
-class CopyBytes:
-    """Bytes (read + write) of the engine's memory-bound copies for one unit of Q
-    parameters over N ranks, per occurrence (``runtime/unit.py``, ``runtime/reduce.py``);
-    w, g, r, m: bytes per element of weights, gradients, reduce dtype, master. ``.to``
-    between equal dtypes copies nothing. Padding and the presence flags are left out."""
-
-    pack: float
-    """Each backward, ``issue_reduce``: ``_chunk_cat`` reads the local gradients and
-    writes the [N, S+F] buffer, ``Q·(g + r)``."""
-    land: float
-    """The step's first backward, ``wait_reduce``: stage 0 ``_land_full_grads`` divides
-    the [N, ·] buffer by N into the full gradients in one pass (``Q·(r + g)``); stages 1-3
-    divide the [S] slot (``2·Q·r/N``: in place, or on gloo as it is copied out of the
-    all-reduced buffer) and make ``grad_shard`` by a cast if r ≠ g (``Q·(r+g)/N``), else
-    as a view of the result."""
-    land_more: float
-    """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
-    (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
-    gather: float
-    """Stage 3, each gather (forward and backward): ``unpack_into`` ``2·Q·w``; on gloo
-    also the shard copied into its slot of the output (``2·Q·w/N``), or above
-    ``GLOO_BROADCAST_MAX`` ranks torch's copy out of its flat buffer (``2·Q·w``)."""
-    sync_input: float
-    """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, written
-    into its slot of the output, a master cast ``Q·(m + w)/N`` (if m ≠ w) or
-    ``torch.cat`` of this rank's rows ``2·Q·w/N``."""
-    sync_unpack: float
-    """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``; with
-    no master only the other ranks' rows, ``2·(Q - Q/N)·w``; on gloo above
-    ``GLOO_BROADCAST_MAX`` ranks also torch's copy out of its flat buffer (``2·Q·w``)."""
-    step: float
-    """Once per step with a master: ``assign_step_grads``' cast to it if g ≠ m
-    (``Q·(g + m)`` at stage 0, ``/N`` above) and ``refresh_compute``'s master copy into
-    the weights at stage 0 (``Q·(m + w)``) and into ``w_shard`` at stage 3 (``/N``)."""
-
-    def per_step(self, units: int, micro_batches: int) -> float:
-        """Bytes of a step of ``micro_batches`` passes over ``units`` units (stage 3
-        gathers twice per micro-batch: forward and backward)."""
-        a = micro_batches
-        return units * (a * self.pack + self.land + (a - 1) * self.land_more
-                        + 2 * a * self.gather + self.sync_input + self.sync_unpack + self.step)
-
-
-def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
-               gloo: bool = False) -> CopyBytes:
-    """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks;
-    ``gloo``: with the copies the engine adds around gloo's in-place all-gathers."""
-    Q, n = unit_params, unit_params / dp
-    w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
-                  recipe.master_bytes)
-    wd, gd, md = recipe.param_dtype, recipe.grad_dtype, recipe.master_dtype
-    rd = recipe.reduce_dtype or gd
-    if stage == 0:
-        land = Q * (r + g)  # _land_full_grads: divide, cast and copy in one pass
-        land_more = land
-    else:
-        land = 2 * n * r + _cast(n, rd, gd, r, g)
-        land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
-    gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
-    # an all-gather on gloo: the input into its slot (stage 3; the stage 1-2 input is
-    # written there) up to GLOO_BROADCAST_MAX ranks, above it torch's copy out of a flat
-    # buffer
-    broadcasts = dp <= GLOO_BROADCAST_MAX
-    staged = 0.0 if not gloo or broadcasts else 2 * Q * w
-    gather = 0.0
-    if stage == 3:
-        gather = 2 * Q * w + (2 * n * w if gloo and broadcasts else staged)
-    sync_input = sync_unpack = step = 0.0
-    if stage in (1, 2):
-        sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w
-        sync_unpack = 2 * Q * w if md else 2 * (Q - n) * w  # without a master: the others' rows
-        sync_unpack += staged
-    if md:
-        owned = Q if stage == 0 else n
-        step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)
-    return CopyBytes(Q * (g + r), land, land_more, gather, sync_input, sync_unpack, step)
-
-
 @dataclass(frozen=True)
 class Schedule:
     """How one optimizer step runs: the engine's knobs and the accumulation."""
@@ -173,6 +98,9 @@ class Schedule:
     """Forward/backward passes per optimizer step (gradient accumulation steps)."""
     tp: int = 1
     """Tensor-parallel degree; the data-parallel degree is gpus / tp."""
+    shard_group: int | None = None
+    """Hybrid sharding: the stage shards over groups of K data-parallel ranks and
+    replicates across the groups (None: over all of them)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -182,6 +110,9 @@ class Schedule:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name}={v!r} must be an integer >= {least}")
+        k = self.shard_group
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"shard_group={k!r} must be an integer >= 1 (None: all ranks)")
 
 
 @dataclass(frozen=True)
@@ -208,11 +139,14 @@ class StepTime:
     compute, TP, optimizer and copies)."""
     tokens_per_gpu: float
     """Tokens per second per GPU (global tokens per step / step / GPUs)."""
+    across: float = 0.0
+    """Of ``comm``, seconds of the replicas' all-reduces across shard groups (hybrid
+    sharding; on the compute path: the engine waits for each as it lands a reduction)."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("strategy", "step", "compute", "tp_comm",
                                               "optimizer", "copies", "comm", "exposed",
-                                              "tokens_per_gpu")}
+                                              "tokens_per_gpu", "across")}
 
 
 class _Link:
@@ -227,8 +161,9 @@ class _Link:
 
 
 def _land(t: float, flying: list[tuple[float, float]]) -> float:
-    """Wait for the reductions in flight, oldest first, landing each (its copy seconds
-    on the compute stream) as ``wait_reduce`` does; returns the compute clock."""
+    """Wait for the reductions in flight, oldest first, landing each (its copy seconds,
+    and with hybrid sharding its all-reduce across replicas, on the compute stream) as
+    ``wait_reduce`` does; returns the compute clock."""
     for done, land in flying:
         t = max(t, done) + land
     flying.clear()
@@ -284,7 +219,8 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
         raise ValueError("the step-time model needs the model's shape: give --hidden and "
                          "--layers (or a preset)")
     tp, stage = schedule.tp, schedule.stage
-    dp = dp_degree(gpus, tp)
+    dp = shard_degree(gpus, tp, schedule.shard_group)  # K: the ranks the stage shards over
+    replicas = dp_degree(gpus, tp) // dp
     acc = cluster.accelerator
     bw = acc.memory_bandwidth
     rate = acc.peak_flops * acc.efficiency
@@ -299,13 +235,16 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     recompute = 1 if work.checkpointing else 0
     b_unit = (2 + recompute) * fwd / units + (2 + 2 * recompute) * layers_per_unit * tp_ar
 
-    link = cluster.link(gpus)
+    link = cluster.link(dp * tp)  # the shard group's K·tp consecutive GPUs
     unit_params = model.params / tp / units
     gloo = cluster.network.gloo
     cost = copy_bytes(recipe, stage, unit_params, dp, gloo)  # at the memory rate, on compute
     gather = ring_time("all_gather", unit_params * recipe.weight_bytes, dp, link)
     reduce = ring_time("all_reduce" if stage == 0 or gloo else "reduce_scatter",
                        unit_params * recipe.reduce_bytes, dp, link)
+    # hybrid sharding: the reduced slot (stage 0: the whole buffer) over the R replicas
+    across = ring_time("all_reduce", unit_params * recipe.reduce_bytes / (dp if stage else 1),
+                       replicas, cluster.link(replicas, stride=dp * tp))
     g = gather if stage == 3 else None
     pf = schedule.prefetch
 
@@ -318,7 +257,7 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     for i in range(min(schedule.micro_batches, SIMULATED)):
         t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack)
         t = _pass(t, line, units, b_unit, g, pf, reduce, flying, bounded, unpack, pack,
-                  (cost.land if i == 0 else cost.land_more) / bw)
+                  (cost.land if i == 0 else cost.land_more) / bw + across)
         t = _land(t, flying)  # a backward ends once its reductions landed: shards hold .grad
         ends.append(t)
     extra = schedule.micro_batches - len(ends)
@@ -338,18 +277,18 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     tp_comm = a * model.layers * (4 + 2 * recompute) * tp_ar
     copies = cost.per_step(units, a) / bw
     per_pass = units * (gather if stage == 3 else 0.0)
-    comm = a * (2 * per_pass + units * reduce) + post
+    comm = a * (2 * per_pass + units * (reduce + across)) + post
     if not cluster.network.overlap:
         t = compute + tp_comm + optimizer + copies + comm
     return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, copies, comm,
                     max(0.0, t - compute - tp_comm - optimizer - copies),
-                    work.tokens * a / tp / t)
+                    work.tokens * a / tp / t, a * units * across)
 
 
 def step_times(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
                blocks_per_unit: int = 1, prefetch: int = 1, micro_batches: int = 1,
-               tp: int = 1) -> list[StepTime]:
+               tp: int = 1, shard_group: int | None = None) -> list[StepTime]:
     """One :class:`StepTime` per strategy, DDP first."""
     return [step_time(model, recipe, work, gpus, cluster,
-                      Schedule(s, blocks_per_unit, prefetch, micro_batches, tp))
+                      Schedule(s, blocks_per_unit, prefetch, micro_batches, tp, shard_group))
             for s in range(4)]

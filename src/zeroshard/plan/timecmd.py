@@ -2,7 +2,7 @@
 
 ``--time`` adds the step-time table (``steptime``) to the plan; ``--recommend`` replaces
 the plan with the recommended configuration (``recommend``). ``--tp`` applies to the
-memory plan as well.
+memory plan as well, and so does ``--shard-group`` (hybrid sharding: :func:`shard_group`).
 """
 
 from __future__ import annotations
@@ -78,6 +78,39 @@ def check(args) -> None:
     if args.tp is not None:
         dp_degree(args.gpus, args.tp)
     cluster(args)  # names an unknown preset even when no time is asked for
+    shard_group(args, per_tp=True)
+
+
+def shard_group(args, per_tp: bool = False) -> int | str | None:
+    """``--shard-group``: None (plain), an integer K of data-parallel ranks dividing
+    them, or ``node``: a node's data-parallel ranks, ``--gpus-per-node / --tp``
+    (with ``per_tp``, left as ``"node"`` for ``--recommend`` to take at each TP degree)."""
+    spec = getattr(args, "shard_group", None)
+    if spec is None:
+        return None
+    tp = args.tp or 1
+    if str(spec).strip().lower() == "node":
+        if per_tp and args.tp is None:
+            return "node"
+        if args.gpus_per_node % tp:
+            raise ValueError(f"--shard-group=node: --gpus-per-node={args.gpus_per_node} is "
+                             f"not divisible by --tp={tp}")
+        k = args.gpus_per_node // tp
+    else:
+        try:
+            k = int(spec)
+        except ValueError:
+            raise ValueError(f"--shard-group={spec!r} must be a positive integer or "
+                             "'node'") from None
+        if k <= 0:
+            raise ValueError(f"--shard-group={spec} must be a positive integer or 'node'")
+    if per_tp and args.tp is None:
+        return k  # recommend tries it at each TP degree it divides
+    dp = dp_degree(args.gpus, tp)
+    if dp % k:
+        raise ValueError(f"--shard-group={spec} does not divide the {dp} data-parallel ranks; "
+                         f"expected one of {[d for d in range(1, dp + 1) if dp % d == 0]}")
+    return k
 
 
 def cluster(args) -> Cluster:
@@ -104,11 +137,12 @@ def run_time(args, model, recipe, work) -> list:
     tp = args.tp or 1
     return step_times(model, recipe, work, args.gpus, cluster(args), args.blocks_per_unit,
                       1 if args.prefetch is None else args.prefetch,
-                      accumulation(args, work, tp), tp)
+                      accumulation(args, work, tp), tp, shard_group(args))
 
 
 def run_recommend(args, model, recipe, budget):
     seq = args.seq_len or args.tokens
     return recommend(model, recipe, args.gpus, budget, cluster(args),
                      args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
-                     args.tp, args.prefetch, headroom=args.headroom)
+                     args.tp, args.prefetch, headroom=args.headroom,
+                     shard_group=shard_group(args, per_tp=True))

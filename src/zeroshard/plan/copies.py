@@ -1,0 +1,96 @@
+"""The engine's own memory-bound copies per unit (packing, averaging, unpacking, casts),
+which the step-time model charges at the accelerator's memory rate on the compute
+stream (``steptime.py``; the table in docs/steptime.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import GLOO_BROADCAST_MAX
+from .recipes import Recipe
+
+
+def _cast(n: float, a: str, b: str, a_bytes: int, b_bytes: int) -> float:
+    """Bytes of ``Tensor.to`` over ``n`` elements from dtype a to b: none when they are
+    the same dtype (``.to`` returns the tensor itself), else a read and a write."""
+    return 0.0 if a == b else n * (a_bytes + b_bytes)
+
+
+@dataclass(frozen=True)
+class CopyBytes:
+    """Bytes (read + write) of the engine's memory-bound copies for one unit of Q
+    parameters over N ranks, per occurrence (``runtime/unit.py``, ``runtime/reduce.py``);
+    w, g, r, m: bytes per element of weights, gradients, reduce dtype, master. ``.to``
+    between equal dtypes copies nothing. Padding and the presence flags are left out."""
+
+    pack: float
+    """Each backward, ``issue_reduce``: ``_chunk_cat`` reads the local gradients and
+    writes the [N, S+F] buffer, ``Q·(g + r)``."""
+    land: float
+    """The step's first backward, ``wait_reduce``: stage 0 ``_land_full_grads`` divides
+    the [N, ·] buffer by N into the full gradients in one pass (``Q·(r + g)``); stages 1-3
+    divide the [S] slot (``2·Q·r/N``: in place, or on gloo as it is copied out of the
+    all-reduced buffer) and make ``grad_shard`` by a cast if r ≠ g (``Q·(r+g)/N``), else
+    as a view of the result."""
+    land_more: float
+    """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
+    (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
+    gather: float
+    """Stage 3, each gather (forward and backward): ``unpack_into`` ``2·Q·w``; on gloo
+    also the shard copied into its slot of the output (``2·Q·w/N``), or above
+    ``GLOO_BROADCAST_MAX`` ranks torch's copy out of its flat buffer (``2·Q·w``)."""
+    sync_input: float
+    """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, written
+    into its slot of the output, a master cast ``Q·(m + w)/N`` (if m ≠ w) or
+    ``torch.cat`` of this rank's rows ``2·Q·w/N``."""
+    sync_unpack: float
+    """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``; with
+    no master only the other ranks' rows, ``2·(Q - Q/N)·w``; on gloo above
+    ``GLOO_BROADCAST_MAX`` ranks also torch's copy out of its flat buffer (``2·Q·w``)."""
+    step: float
+    """Once per step with a master: ``assign_step_grads``' cast to it if g ≠ m
+    (``Q·(g + m)`` at stage 0, ``/N`` above) and ``refresh_compute``'s master copy into
+    the weights at stage 0 (``Q·(m + w)``) and into ``w_shard`` at stage 3 (``/N``)."""
+
+    def per_step(self, units: int, micro_batches: int) -> float:
+        """Bytes of a step of ``micro_batches`` passes over ``units`` units (stage 3
+        gathers twice per micro-batch: forward and backward)."""
+        a = micro_batches
+        return units * (a * self.pack + self.land + (a - 1) * self.land_more
+                        + 2 * a * self.gather + self.sync_input + self.sync_unpack + self.step)
+
+
+def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
+               gloo: bool = False) -> CopyBytes:
+    """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks;
+    ``gloo``: with the copies the engine adds around gloo's in-place all-gathers."""
+    Q, n = unit_params, unit_params / dp
+    w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
+                  recipe.master_bytes)
+    wd, gd, md = recipe.param_dtype, recipe.grad_dtype, recipe.master_dtype
+    rd = recipe.reduce_dtype or gd
+    if stage == 0:
+        land = Q * (r + g)  # _land_full_grads: divide, cast and copy in one pass
+        land_more = land
+    else:
+        land = 2 * n * r + _cast(n, rd, gd, r, g)
+        land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
+    gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
+    # an all-gather on gloo: the input into its slot (stage 3; the stage 1-2 input is
+    # written there) up to GLOO_BROADCAST_MAX ranks, above it torch's copy out of a flat
+    # buffer
+    broadcasts = dp <= GLOO_BROADCAST_MAX
+    staged = 0.0 if not gloo or broadcasts else 2 * Q * w
+    gather = 0.0
+    if stage == 3:
+        gather = 2 * Q * w + (2 * n * w if gloo and broadcasts else staged)
+    sync_input = sync_unpack = step = 0.0
+    if stage in (1, 2):
+        sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w
+        sync_unpack = 2 * Q * w if md else 2 * (Q - n) * w  # without a master: the others' rows
+        sync_unpack += staged
+    if md:
+        owned = Q if stage == 0 else n
+        step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)
+    return CopyBytes(Q * (g + r), land, land_more, gather, sync_input, sync_unpack, step)

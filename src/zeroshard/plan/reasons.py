@@ -1,0 +1,117 @@
+"""The reasons ``zeroshard plan --recommend`` gives: one sentence per choice, each with
+what the alternatives would cost (``recommend.py`` finds the candidates)."""
+
+from __future__ import annotations
+
+from .memory import STRATEGIES
+
+#: A more complex configuration must beat a simpler one by more than this fraction.
+TIE = 0.01
+BLOCKS_PER_UNIT = (1, 2, 4)
+PREFETCH = (0, 1, 2)
+
+
+def gb(b: float) -> str:
+    return f"{b / 1e9:.2f} GB"
+
+
+def pct(c, best) -> str:
+    """How much slower ``c`` is than ``best``, as a signed percentage."""
+    return f"{(c.time.step / best.time.step - 1) * 100:+.1f}%"
+
+
+def best_where(found, **fixed):
+    """The fastest candidate with the given field values, or None."""
+    pool = [c for c in found if all(getattr(c, k) == v for k, v in fixed.items())]
+    return min(pool, key=lambda c: (c.time.step, c.key)) if pool else None
+
+
+def shard_reason(b, found, need: dict, groups: dict, cluster) -> str:
+    """Hybrid sharding weighed against plain sharding over every data-parallel rank, at
+    the chosen stage and TP degree: memory (the floor rises to the stage's state over
+    K), where the traffic goes (the group's on the link of its K·tp GPUs, the replicas'
+    all-reduce of 1/K of the gradients across groups, on the compute path), and the
+    predicted step."""
+    dp = b.dp
+    if b.shard_group is None:
+        head = (f"all {dp} data-parallel ranks (plain {b.strategy}): its collectives span "
+                f"{cluster.link(dp * b.tp).name}")
+    else:
+        k, r = b.shard_group, dp // b.shard_group
+        across = cluster.link(r, stride=k * b.tp).name
+        head = (f"{k} ({b.strategy} inside groups of {k * b.tp} GPUs on "
+                f"{cluster.link(k * b.tp).name}, replicated {r} times: 1/{k} of the gradients "
+                f"all-reduced across groups on {across}, {b.time.across:.3f} s per step on "
+                f"the compute path)")
+    alts = []
+    for k in [None, *groups.get(b.tp, ())]:
+        if k == b.shard_group:
+            continue
+        a = best_where(found, stage=b.stage, tp=b.tp, shard_group=k)
+        name = "plain" if k is None else f"groups of {k}"
+        if a is not None:
+            extra = f", {a.time.across:.3f} s across" if k is not None else ""
+            alts.append(f"{name} {pct(a, b)} ({gb(a.memory)} per GPU{extra})")
+        elif (b.stage, b.tp, k) in need:
+            alts.append(f"{name} does not fit (needs {gb(need[b.stage, b.tp, k])} or more)")
+    if not alts:
+        return head + "; the only layout tried"
+    return head + "; " + ", ".join(alts)
+
+
+def reasons(best, found, need: dict, tps, groups: dict, cluster, limit: int,
+            global_batch: int, seq_len: int, headroom: float) -> dict:
+    """One sentence per choice: stage, tp, shard group, unit size, prefetch,
+    checkpointing, micro-batch."""
+    b = best
+    others = []
+    for s in range(4):
+        if s == b.stage:
+            continue
+        alt = best_where(found, stage=s)
+        least = min((v for (st, _, _), v in need.items() if st == s), default=0)
+        others.append(f"{STRATEGIES[s]} " + (f"{pct(alt, b)} at best" if alt else
+                                             f"does not fit (needs {gb(least)} or more)"))
+    why = {"stage": (f"{b.strategy}: the lowest stage within {TIE:.0%} of the fastest that "
+                     f"fits {gb(limit)} ({headroom:.0%} headroom); " + "; ".join(others))}
+    same = dict(stage=b.stage, group_gpus=b.group_gpus)  # the same layout: plain or groups
+    alts = [f"TP {k} " + (f"{pct(a, b)}" if (a := best_where(found, tp=k, **same))
+                          else "does not fit") for k in tps if k != b.tp]
+    why["tp"] = (f"{b.tp}: " + ("no tensor parallelism; " if b.tp == 1 else
+                                f"{b.tp}-way inside a node, its all-reduces never hidden "
+                                f"({b.time.tp_comm:.3f} s per step); ")
+                 + (", ".join(alts) if alts else "the only degree tried"))
+    why["shard group"] = shard_reason(b, found, need, groups, cluster)
+    same = dict(stage=b.stage, tp=b.tp, shard_group=b.shard_group)
+    alts = [f"{k} {pct(a, b)}" for k in BLOCKS_PER_UNIT if k != b.blocks_per_unit
+            and (a := best_where(found, prefetch=b.prefetch, checkpointing=b.checkpointing,
+                                 blocks_per_unit=k, **same))]
+    why["unit size"] = (f"{b.blocks_per_unit} block(s) per unit: one gather and one "
+                        "reduction per unit; finer units pay the latency α more often, "
+                        "coarser ones hold more transient memory and expose a bigger first "
+                        "gather" + (f"; {', '.join(alts)}" if alts else ""))
+    if b.stage == 3:
+        alts = [f"{d} {pct(a, b)}" for d in PREFETCH if d != b.prefetch
+                and (a := best_where(found, checkpointing=b.checkpointing,
+                                     blocks_per_unit=b.blocks_per_unit, prefetch=d, **same))]
+        why["prefetch"] = (f"{b.prefetch}: gathers exposed {b.time.exposed:.3f} s per step; "
+                           "each unit of depth holds one more gathered unit"
+                           + (f"; {', '.join(alts)}" if alts else ""))
+    else:
+        why["prefetch"] = "n/a: below stage 3 the weights are whole, nothing is gathered"
+    alt = best_where(found, checkpointing=not b.checkpointing, **same)
+    if b.checkpointing:
+        why["checkpointing"] = ("on: recomputing the forward costs a third more compute, "
+                                "but " + (f"without it the best is {pct(alt, b)} "
+                                          f"(micro-batch {alt.micro_batch})" if alt else
+                                          "without it even one sequence does not fit"))
+    else:
+        why["checkpointing"] = ("off: the activations fit, so no forward is recomputed"
+                                + (f"; with it {pct(alt, b)}" if alt else ""))
+    why["micro-batch"] = (f"{b.micro_batch} sequence(s) of {seq_len} tokens per GPU, "
+                          f"{b.accumulation} accumulation step(s): the largest that fits "
+                          f"({gb(b.memory)} per GPU) for {global_batch} sequences over "
+                          f"{global_batch // (b.micro_batch * b.accumulation)} data-parallel "
+                          "ranks; fewer passes mean fewer reductions (the engine reduces "
+                          "after every backward)")
+    return why
