@@ -177,6 +177,7 @@ ENGINE_FLAGS = {
     "quantize_weights": (["--quantize-weights"], True),
     "quantize_grads": (["--quantize-grads"], True),
     "quant_block": (["--quant-block", "256"], 256),
+    "offload": (["--offload", "optimizer"], "optimizer"),
 }
 
 

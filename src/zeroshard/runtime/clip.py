@@ -33,7 +33,7 @@ def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
              for u in units for g in u.norm_grads()]
     grads = [u.shards[i].grad for u in units for i in u.trainable
              if u.shards[i].grad is not None]
-    local = (torch.stack(parts) if parts else
+    local = (torch.stack(parts).to(units[0].device) if parts else  # (offload: from the host)
              torch.zeros(1, dtype=torch.float64, device=units[0].device))
     if norm_type == float("inf"):
         total = local.max()
@@ -48,7 +48,7 @@ def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
                            f"non-finite ({total.item()}), so they cannot be clipped")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:
-        torch._foreach_mul_(grads, coef)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
 
 

@@ -123,6 +123,15 @@ class ZeroConfig:
     """Elements per quantization block (one fp32 scale each: 1 + 4 / block bytes per
     element). DeepSpeed's weight quantizer works in groups of a few thousand; smaller
     blocks track the values more closely at more bytes (``docs/quantized.md``)."""
+    offload: str | None = None
+    """Where the optimizer's part lives (ZeRO-Offload; DeepSpeed's ``offload_optimizer``
+    / ``offload_param`` with device "cpu", FSDP2's ``CPUOffloadPolicy``): None, all on
+    the device; "optimizer" (stages 1-3): the fp32 master and the optimizer state in
+    host memory (pinned under CUDA) — each unit's reduced gradient shard goes to the
+    host when backward ends, the optimizer steps host tensors (``zeroshard.offload.
+    HostAdamW`` steps them fast), and the updated weights return cast to the compute
+    dtype on the host first; "params" (stage 3): the weight shards too, copied to the
+    device as part of each unit's gather (and prefetched with it)."""
     nonfinite: str = "raise"
     """What the optimizer step does when a reduced gradient holds a NaN or inf, decided
     alike on every rank in one small exchange (free when the cycle was clipped: the
@@ -195,6 +204,16 @@ class ZeroConfig:
             raise ValueError(f"quantize_grads sends the gradients as int8 and sums them in "
                              f"fp32; reduce_dtype={self.reduce_dtype!r} asks for another "
                              "reduction: drop one of the two")
+        if self.offload not in (None, "optimizer", "params"):
+            raise ValueError(f"offload={self.offload!r}; expected None, 'optimizer' or "
+                             "'params'")
+        if self.offload and self.stage == 0:
+            raise ValueError(f"offload={self.offload!r} moves the sharded optimizer state to "
+                             "the host; stage 0 shards nothing: use stage 1-3")
+        if self.offload == "params" and self.stage != 3:
+            raise ValueError(f"offload='params' keeps the weight shards on the host, which "
+                             f"only stage 3 has; got stage={self.stage}: use stage 3 or "
+                             "offload='optimizer'")
         if self.nonfinite not in POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, POLICIES))}")

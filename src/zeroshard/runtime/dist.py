@@ -113,3 +113,8 @@ def default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def host_device() -> torch.device:
+    """Where offloaded state lives: host memory (the CPU, even where it is the device)."""
+    return torch.device("cpu")

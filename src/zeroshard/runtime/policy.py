@@ -62,7 +62,8 @@ class ShardPolicy:
     placement: tuple[tuple[str, str], ...] = (("params", "device"), ("grads", "device"),
                                               ("optimizer", "device"))
     """Where each category lives: ``"device"`` (the rank's accelerator, the CPU on a
-    machine without one)."""
+    machine without one) or ``"host"`` (offloaded: separate host buffers, pinned under
+    CUDA, even where the device is the CPU itself)."""
 
     @classmethod
     def for_stage(cls, stage: int) -> ShardPolicy:
@@ -73,7 +74,12 @@ class ShardPolicy:
 
     @classmethod
     def from_config(cls, config) -> ShardPolicy:
-        return cls.for_stage(config.stage)
+        """The stage's policy, with what ``config.offload`` moves to the host."""
+        policy = cls.for_stage(config.stage)
+        host = {"optimizer": ("optimizer",), "params": ("optimizer", "params")}.get(
+            config.offload, ())
+        return replace(policy, placement=tuple((c, "host" if c in host else where)
+                                               for c, where in policy.placement))
 
     def whole_params(self) -> ShardPolicy:
         """The same policy with the parameters kept whole on every rank: the unit of
@@ -105,6 +111,12 @@ class ShardPolicy:
     def where(self, category: str) -> str:
         """Where ``category`` lives (see ``placement``)."""
         return dict(self.placement)[category]
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """The master and optimizer state live on the host: a master copy exists even
+        in fp32, and the step's gradients go to the host."""
+        return self.where("optimizer") == "host"
 
     # -- gradients ------------------------------------------------------------------
     @property

@@ -153,10 +153,19 @@ class Readout:
             out[key] = by_id[id(t)] if id(t) in by_id else t.detach().clone()
         return out
 
-    def memory(self, optimizer=None) -> dict[str, int]:
+    def memory(self, optimizer=None, by_placement: bool = False) -> dict:
         """Bytes on this rank per category: params, grads, optimizer (master + state of
-        ``optimizer``), padding, and the transient gathered and buffers."""
-        return measure(self.units, optimizer)
+        ``optimizer``), padding, and the transient gathered and buffers. With
+        ``by_placement``, ``{"device": {...}, "host": {...}}``: what offload keeps in
+        host memory apart (``ZeroConfig.offload``)."""
+        total = measure(self.units, optimizer)
+        if not by_placement:
+            return total
+        host = dict.fromkeys(total, 0)
+        for u in self.units:
+            for c, b in u.host_bytes(optimizer).items():
+                host[c] += b
+        return {"device": {c: total[c] - host[c] for c in total}, "host": host}
 
     def comm_stats(self, reset: bool = False, by_level: bool = False) -> dict:
         """Per collective kind: calls and bytes this rank sent (ring accounting). With

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .collectives import Collectives
-from .dist import TORCH_DTYPES
+from .dist import TORCH_DTYPES, host_device
 from .events import Events
 from .layout import ShardLayout
 from .policy import FullGrads, ShardPolicy
@@ -42,7 +42,10 @@ class Unit(UnitStep, UnitView):
         self.grad_dtype = TORCH_DTYPES[recipe.grad_dtype]
         self.reduce_dtype = TORCH_DTYPES[recipe.reduce_dtype or recipe.grad_dtype]
         self.master_dtype = TORCH_DTYPES[recipe.master_dtype] if recipe.master_dtype else None
+        if policy.offloads_optimizer and self.master_dtype is None:
+            self.master_dtype = torch.float32  # fp32 offloaded: the host copy the step updates
         self.device = device
+        self.host = host_device()
 
         # Parameter by parameter, so a rank holds the unit once plus one parameter: copy
         # into a padded storage, take this rank's master rows, drop the original.
@@ -50,7 +53,8 @@ class Unit(UnitStep, UnitView):
         self.master = None  # 1D [S_g]: this rank's slot of fp32 master weights
         if self.master_dtype is not None:
             self.master = torch.zeros(self.g_layout.slot_numel, dtype=self.master_dtype,
-                                      device=device)
+                                      device=self.host if policy.offloads_optimizer else device,
+                                      pin_memory=policy.offloads_optimizer and _pinned())
         g_slot = {i: self.g_layout.slots[j] for j, i in enumerate(self.trainable)}
         for i, (slot, p) in enumerate(zip(self.w_layout.slots, self.params)):
             src = p.detach().to(device).reshape(slot.rows, slot.row_numel)
@@ -77,6 +81,10 @@ class Unit(UnitStep, UnitView):
         self.w_shard = None  # 1D [S_w], sharded parameters: this rank's slot of compute weights
         if policy.shards_params:
             self.w_shard = torch.cat([buf[self.rank] for buf in self.padded])
+            if policy.where("params") == "host":  # copied to the device by each gather
+                self.w_shard = self.w_shard.to(self.host)
+                if _pinned():
+                    self.w_shard = self.w_shard.pin_memory()
         # 1D [S_g], reduce-scattered gradients: this cycle's reduced gradients (accumulated over its
         # backwards at stages 2-3); made by the cycle's first reduction, dropped after the step
         self.grad_shard = None
@@ -124,8 +132,8 @@ class Unit(UnitStep, UnitView):
             work = self.comm.all_gather(out, self.w_secondary, async_op=True, unit=self.index,
                                         secondary=True)
         else:
-            work = self.comm.all_gather(out, self.w_shard, async_op=True, unit=self.index,
-                                        weights=True)
+            work = self.comm.all_gather(out, self.w_shard.to(self.device, non_blocking=True),
+                                        async_op=True, unit=self.index, weights=True)
         self._gather_work = (work, out)
         self.state = UnitState.GATHERING
         self.events.emit("gather_issued", self)
@@ -255,8 +263,9 @@ class Unit(UnitStep, UnitView):
                     g.to(self.master_dtype) if self.master is not None else g).view(shard.shape)
             return
         flat = self.grad_shard
-        if self.master is not None and flat.dtype != self.master_dtype:
-            flat = flat.to(self.master_dtype)
+        if self.master is not None and (flat.dtype != self.master_dtype
+                                        or flat.device != self.master.device):
+            flat = flat.to(self.master.device, self.master_dtype)  # offload: to the host
         self.step_grads = flat
         for j, view in enumerate(self.g_layout.shard_views(flat, self.rank)):
             self.shards[self.trainable[j]].grad = view if present[j] else None
@@ -267,3 +276,8 @@ class Unit(UnitStep, UnitView):
             for i in self.trainable:
                 self.shards[i].grad = None
             self.step_grads = None
+
+
+def _pinned() -> bool:
+    """Host buffers are pinned where there is a device to copy to asynchronously."""
+    return torch.cuda.is_available()

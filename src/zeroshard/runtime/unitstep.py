@@ -39,18 +39,19 @@ class UnitStep:
                 return  # fp32: the shard is a view of the compute weights, updated in place
             if self.w_shard is not None:
                 w_views = self.w_layout.shard_views(self.w_shard, self.rank)
-                for i in self.trainable:
-                    w_views[i].copy_(self.shards[i].detach())
+                for i in self.trainable:  # cast on the host first: half the bytes to move
+                    w_views[i].copy_(self.shards[i].detach().to(self.compute_dtype))
             else:
                 for i in self.trainable:
-                    self.params[i].data.copy_(self.shards[i].detach().view(self.params[i].shape))
+                    self.params[i].data.copy_(self.shards[i].detach().to(self.compute_dtype)
+                                              .view(self.params[i].shape))
         else:  # all-gather every rank's updated rows into every rank's full weights
             self.wait_sync()
             out = torch.empty(self.world, self.g_layout.slot_numel, dtype=self.compute_dtype,
                               device=self.device)
             inp = out[self.rank]  # in place: this rank's slot is the gather's input
             if self.master is not None:
-                inp.copy_(self.master)
+                inp.copy_(self.master.to(self.compute_dtype))  # cast on the host first
             else:
                 torch.cat([self.padded[i][self.rank] for i in self.trainable], out=inp)
             self._sync_work = (self.comm.all_gather(out, inp, async_op=True, unit=self.index),

@@ -104,6 +104,25 @@ class UnitView:
             out["buffers"] += tensor_bytes(self.step_grads)
         return out
 
+    def host_bytes(self, optimizer=None) -> dict[str, int]:
+        """The part of :meth:`memory` that lives on the host (offload): the master, its
+        padding and the optimizer state, the step's fp32 gradients, and with
+        ``offload="params"`` the weight shard and its padding."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        pol, r = self.policy, self.rank
+        if pol.offloads_optimizer and self.master is not None:
+            g_real, g_slot = self.g_layout.real_numel(r), self.g_layout.slot_numel
+            out["optimizer"] += (g_real * self.master_dtype.itemsize
+                                 + optimizer_state_bytes(optimizer, self.shards))
+            out["padding"] += (g_slot - g_real) * self.master_dtype.itemsize
+            if self.step_grads is not None and self.step_grads is not self.grad_shard:
+                out["buffers"] += tensor_bytes(self.step_grads)
+        if pol.shards_params and pol.where("params") == "host":
+            w_item, w_real = self.compute_dtype.itemsize, self.w_layout.real_numel(r)
+            out["params"] += w_real * w_item
+            out["padding"] += (self.w_layout.slot_numel - w_real) * w_item
+        return out
+
     def buffers_in_flight(self) -> list[torch.Tensor]:
         """Communication buffers of this unit's collectives not yet landed."""
         return [t for pending in (self._in_flight, self._sync_work, self._gather_work)
