@@ -118,6 +118,7 @@ def set_controls(page, c: dict) -> None:
     else:
         fill("gpus", c["gpus"])
     select("unit", c["unit"])
+    fill("shard-group", c.get("shard_group") or "")
     if c["mem"] in GPU_MEMORY_GB:
         select("gpu-mem", c["mem"])
     else:
@@ -211,9 +212,21 @@ def _configs() -> list[dict]:
              tokens=2048, checkpointing=True),
         dict(mode="preset", preset="gpt2-xl", gpus=2, mem=16, unit="GiB", recipe="2/2/6",
              tokens=1024, checkpointing=False, step=8),
+        # hybrid sharding: groups of a node; one that does not fit anywhere in groups of 8
+        # but does in 16; a group of all N (plain, split by level); groups of one
+        dict(mode="preset", preset="llama2-13b", gpus=256, mem=80, unit="GB",
+             recipe="bf16-mixed-adamw", tokens=2048, checkpointing=True, shard_group=8),
+        dict(mode="preset", preset="llama2-70b", gpus=64, mem=80, unit="GB",
+             recipe="bf16-mixed-adamw", tokens=2048, checkpointing=True, shard_group=8),
+        dict(mode="params", params=6_738_149_376, hidden=4096, layers=32, gpus=16, mem=40,
+             unit="GiB", recipe="fp32-adamw", tokens=4096, checkpointing=False,
+             shard_group=16),
+        dict(mode="preset", preset="gpt2", gpus=12, mem=24, unit="GB", recipe="bf16-mixed-adamw",
+             tokens=1024, checkpointing=True, shard_group=1),
     ]
     for i, c in enumerate(out):
-        c["id"] = f"{i:02d}-{c.get('preset') or c['mode']}-{c['gpus']}gpu-{c['recipe']}"
+        group = f"-k{c['shard_group']}" if c.get("shard_group") else ""
+        c["id"] = f"{i:02d}-{c.get('preset') or c['mode']}-{c['gpus']}gpu{group}-{c['recipe']}"
     return out
 
 

@@ -72,11 +72,11 @@ def expected(c: dict) -> dict:
     recipe = get_recipe(c["recipe"])
     work = Workload(c["tokens"], c.get("seq_len"), c["checkpointing"], c.get("flash", False))
     budget = int(c["mem"] * unit)  # command.run
-    gpus = c["gpus"]
-    plans = plan_all(model, gpus, recipe, work, budget)
+    gpus, group = c["gpus"], c.get("shard_group")
+    plans = plan_all(model, gpus, recipe, work, budget, shard_group=group)
     mins = [min_gpus(model, recipe, s, budget, work, c.get("step")) for s in STRATEGIES]
     return dict(model=model, unit=unit, recipe=recipe, work=work, budget=budget, gpus=gpus,
-                plans=plans, mins=mins, fit=first_fit(plans))
+                plans=plans, mins=mins, fit=first_fit(plans), group=group)
 
 
 def check_readout(got: dict, want: dict) -> None:
@@ -85,17 +85,21 @@ def check_readout(got: dict, want: dict) -> None:
     assert got["params"] == str(want["model"].params)
     assert got["budget"] == str(want["budget"])
     assert got["first"] == (want["fit"] or "")
+    group = want.get("group")
     if want["fit"] is None:
         why = why_none_fits(want["model"], want["recipe"], want["gpus"], want["budget"],
-                            want["work"])
+                            want["work"], group)
         assert got["headline"] == why
     else:
         assert got["headline"].startswith(f"first fit on {want['gpus']} GPUs: {want['fit']}")
     ddp = plans[0].comm
+    levels = (("comm_inside", 2), ("comm_across", 2)) if group is not None else ()
     for p in plans:
         row = got["plan"][p.strategy]
+        assert set(row) == {"weights", "grads", "optimizer", "activations", "total", "comm",
+                            "ratio", "fits", *(f for f, _ in levels)}
         for field, decimals in (("weights", 2), ("grads", 2), ("optimizer", 2),
-                                ("activations", 3), ("total", 2), ("comm", 2)):
+                                ("activations", 3), ("total", 2), ("comm", 2), *levels):
             value = getattr(p, field)
             assert row[field]["bytes"] == exact(value), (p.strategy, field)
             assert row[field]["text"] == _fmt(value, unit, decimals), (p.strategy, field)
@@ -218,9 +222,40 @@ def test_plan_command_writes_the_page(browser, tmp_path, capsys):
     assert "drop --tp=2" in capsys.readouterr().err and not (tmp_path / "tp.html").exists()
 
 
+def test_a_shard_group_that_does_not_divide_is_reported(session):
+    from zeroshard.plan.memory import shard_degree
+
+    page = session.page
+    page.fill("#gpus", "8")
+    page.fill("#shard-group", "3")
+    with pytest.raises(ValueError) as python:
+        shard_degree(8, 1, 3)
+    assert page.inner_text("#status") == str(python.value)
+    page.fill("#shard-group", "")
+    assert page.inner_text("#status") == "" and session.errors == []
+
+
+def test_plan_command_writes_a_hybrid_page(browser, tmp_path, capsys):
+    """`zeroshard plan --shard-group node --html`: the page opens in groups of a node."""
+    from zeroshard.cli import main
+
+    path = tmp_path / "hybrid.html"
+    assert main(["plan", "--model", "llama2-13b", "--gpus", "256", "--shard-group", "node",
+                 "--html", str(path)]) == 0
+    capsys.readouterr()
+    s = Session(browser, path)
+    assert s.page.input_value("#shard-group") == "8"
+    c = dict(mode="preset", preset="llama2-13b", gpus=256, mem=80, unit="GB",
+             recipe="bf16-mixed-adamw", tokens=2048, checkpointing=True, shard_group=8)
+    check_readout(s.page.evaluate(READ), expected(c))
+    assert s.network == [] and s.errors == []
+    s.context.close()
+
+
 @pytest.mark.parametrize("state,message", [
     (dict(gpus=2048), "runs from 1 to 1,024"), (dict(tp=2), "data parallelism alone"),
     (dict(model="nope"), "unknown model 'nope'"), (dict(tokens=0), "must be a positive"),
+    (dict(gpus=8, shard_group=3), "shard_group=3 does not divide the 8"),
 ])
 def test_write_page_refuses_a_state_it_cannot_show(tmp_path, state, message):
     with pytest.raises(ValueError, match=message):

@@ -90,10 +90,12 @@ const App = (() => {
     if (work.seq_len && work.tokens % work.seq_len) {
       throw new Error(`tokens=${work.tokens} is not a multiple of seq_len=${work.seq_len}`);
     }
+    const shardGroup = integer("shard-group", "shard group", true);
+    if (shardGroup != null) Planner.shardDegree(gpus, shardGroup); // comm.shard_degree
     return {
       model: readModel(), gpus, mem, unitName, unit: UNITS[unitName],
       budget: BigInt(Math.trunc(mem * UNITS[unitName])), // command.run: int(gpu_mem * unit)
-      recipe: readRecipe(), work, step: integer("gpu-step", "GPU step", true),
+      recipe: readRecipe(), work, step: integer("gpu-step", "GPU step", true), shardGroup,
     };
   }
 
@@ -107,7 +109,9 @@ const App = (() => {
       return;
     }
     $("status").textContent = "";
-    const plans = Planner.planAll(s.model, s.gpus, s.recipe, s.work, s.budget);
+    // the readout and bars in shard groups of K; the fewest-GPU search and the sweep are
+    // plain (under a group, memory depends on K alone)
+    const plans = Planner.planAll(s.model, s.gpus, s.recipe, s.work, s.budget, s.shardGroup);
     const mins = Planner.STRATEGIES.map(
       (x) => Planner.minGpus(s.model, s.recipe, x, s.budget, s.work, s.step));
     const sweep = SWEEP.map(
@@ -176,6 +180,7 @@ const App = (() => {
     $("checkpointing").checked = init.checkpointing;
     $("flash-attention").checked = init.flash_attention;
     $("gpu-step").value = init.gpu_step ?? "";
+    $("shard-group").value = init.shard_group ?? "";
   }
 
   function applyModel(m) {

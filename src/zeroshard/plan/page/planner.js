@@ -2,7 +2,8 @@
 // src/zeroshard/plan/memory.py, activations.py, advice.py and arch.py (Architecture.params).
 // Every byte count is a BigInt, so each figure is the same exact integer Python
 // computes; numbers become floating point only for drawing and formatting.
-// The page plans data parallelism alone: the Python functions with tp = 1.
+// The page plans data parallelism alone: the Python functions with tp = 1, sharded over
+// all N GPUs or (hybrid sharding) over shard groups of K of them (comm.py).
 // The constants (strategies, presets, recipes, the search limit) are not repeated
 // here: page.py dumps them from the Python definitions into DATA.
 "use strict";
@@ -124,11 +125,25 @@ const Planner = (() => {
   // memory.ring_one_way: (N-1)/N·t bytes for a reduce-scatter or an all-gather.
   const ringOneWay = (t, n) => ceilDiv((big(n) - 1n) * t, big(n));
 
-  // memory.model_state_bytes: stage k shards the first k of (optimizer, grads, weights).
-  function modelStateBytes(params, gpus, recipe, stage) {
+  // comm.shard_degree: K, the ranks a stage shards over: all N, or a shard group of K.
+  function shardDegree(gpus, shardGroup = null) {
+    if (shardGroup == null) return gpus;
+    if (gpus % shardGroup) {
+      const ok = [];
+      for (let d = 1; d <= gpus; d++) if (gpus % d === 0) ok.push(d);
+      throw new Error(`shard_group=${shardGroup} does not divide the ${gpus} data-parallel `
+        + `ranks; expected one of [${ok.join(", ")}]`);
+    }
+    return shardGroup;
+  }
+
+  // memory.model_state_bytes: stage k shards the first k of (optimizer, grads, weights)
+  // over the N GPUs, or over a shard group of K of them.
+  function modelStateBytes(params, gpus, recipe, stage, shardGroup = null) {
+    const k = big(shardDegree(gpus, shardGroup));
     const part = (perParam, sharded) => {
       const total = big(perParam) * params;
-      return sharded ? ceilDiv(total, big(gpus)) : total;
+      return sharded ? ceilDiv(total, k) : total;
     };
     return [
       part(recipe.weight_bytes, stage >= 3),
@@ -137,32 +152,46 @@ const Planner = (() => {
     ];
   }
 
-  // memory.comm_bytes: DDP all-reduces gradients; ZeRO-1/2 reduce-scatter them and
-  // gather the weights once; ZeRO-3 gathers for forward and again for backward.
-  function commBytes(params, gpus, recipe, stage) {
+  // comm.comm_bytes_by_level: inside a shard group of K, DDP all-reduces the gradients,
+  // ZeRO-1/2 reduce-scatter them and gather the weights once, ZeRO-3 gathers for forward
+  // and again for backward; across the R = N/K groups each rank's reduced shard (stage 0:
+  // the whole gradients) is all-reduced over its R replicas (0 when plain, R = 1).
+  function commBytesByLevel(params, gpus, recipe, stage, shardGroup = null) {
+    const k = shardDegree(gpus, shardGroup), replicas = gpus / k;
     const grads = big(recipe.reduce_bytes) * params;
     const weights = big(recipe.weight_bytes) * params;
-    if (stage === 0) return ringAllReduce(grads, gpus);
+    if (stage === 0) {
+      return { inside: ringAllReduce(grads, k), across: ringAllReduce(grads, replicas) };
+    }
     const gathers = stage === 3 ? 2n : 1n;
-    return ringOneWay(grads, gpus) + gathers * ringOneWay(weights, gpus);
+    return { inside: ringOneWay(grads, k) + gathers * ringOneWay(weights, k),
+      across: ringAllReduce(ceilDiv(grads, big(k)), replicas) };
   }
 
-  // memory.plan_strategy (with StrategyPlan.total and .fits folded in).
-  function planStrategy(model, gpus, recipe, strategy, work, budget) {
+  // comm.comm_bytes: both levels.
+  function commBytes(params, gpus, recipe, stage, shardGroup = null) {
+    const { inside, across } = commBytesByLevel(params, gpus, recipe, stage, shardGroup);
+    return inside + across;
+  }
+
+  // memory.plan_strategy (with StrategyPlan.total, .fits and .comm_inside folded in).
+  function planStrategy(model, gpus, recipe, strategy, work, budget, shardGroup = null) {
     const stage = stageOf(strategy);
-    const [weights, grads, optimizer] = modelStateBytes(model.params, gpus, recipe, stage);
+    const [weights, grads, optimizer] = modelStateBytes(model.params, gpus, recipe, stage,
+      shardGroup);
     const activations = activationBytes(model, recipe, work);
     const total = weights + grads + optimizer + (activations ?? 0n);
+    const { inside, across } = commBytesByLevel(model.params, gpus, recipe, stage, shardGroup);
     return {
       strategy: STRATEGIES[stage], weights, grads, optimizer, activations, total,
-      comm: commBytes(model.params, gpus, recipe, stage),
-      budget, fits: budget == null ? null : total <= budget,
+      comm: inside + across, comm_inside: inside, comm_across: across,
+      shard_group: shardGroup, budget, fits: budget == null ? null : total <= budget,
     };
   }
 
   // memory.plan_all: one plan per strategy, DDP first.
-  const planAll = (model, gpus, recipe, work, budget) =>
-    [0, 1, 2, 3].map((s) => planStrategy(model, gpus, recipe, s, work, budget));
+  const planAll = (model, gpus, recipe, work, budget, shardGroup = null) =>
+    [0, 1, 2, 3].map((s) => planStrategy(model, gpus, recipe, s, work, budget, shardGroup));
 
   // advice.floor_bytes: the replicated categories, which no number of GPUs divides.
   function floorBytes(model, recipe, strategy) {
@@ -203,18 +232,37 @@ const Planner = (() => {
     return { strategy: name, gpus: counts[lo], total: total(lo), floor };
   }
 
+  // advice.min_shard_group: the smallest shard group (a divisor of N) in which ZeRO-3
+  // fits; per-GPU memory falls as the group grows.
+  function minShardGroup(model, recipe, gpus, budget, work) {
+    for (let k = 1; k <= gpus; k++) {
+      if (gpus % k === 0 && planStrategy(model, gpus, recipe, 3, work, budget, k).fits) return k;
+    }
+    return null;
+  }
+
   // advice.first_fit: the first strategy in DDP → ZeRO-3 order that fits, or null.
   const firstFit = (plans) => (plans.find((p) => p.fits) || { strategy: null }).strategy;
 
   return {
     STRATEGIES, archParams, blockParams, rootParams, stageOf, activationBytes, ringAllReduce, ringOneWay,
-    modelStateBytes, commBytes, planStrategy, planAll, floorBytes, gpuCounts, minGpus,
-    firstFit,
+    shardDegree, modelStateBytes, commBytesByLevel, commBytes, planStrategy, planAll,
+    floorBytes, gpuCounts, minGpus, minShardGroup, firstFit,
   };
 })();
 
-// advice.why_none_fits: one sentence on why no strategy fits at `gpus` GPUs.
-Planner.whyNoneFits = function whyNoneFits(model, recipe, gpus, budget, work) {
+// advice.why_none_fits: one sentence on why no strategy fits at `gpus` GPUs (in shard
+// groups of `shardGroup`: more GPUs do not help there, a larger group does).
+Planner.whyNoneFits = function whyNoneFits(model, recipe, gpus, budget, work, shardGroup = null) {
+  if (shardGroup != null && shardGroup < gpus) {
+    const k = Planner.minShardGroup(model, recipe, gpus, budget, work);
+    if (k != null) {
+      return `nothing fits in shard groups of ${shardGroup} on ${gpus} GPUs; ZeRO-3 `
+        + `fits in groups of ${k}`;
+    }
+    return `nothing fits in shard groups of ${shardGroup} on ${gpus} GPUs, nor does `
+      + "ZeRO-3 over all of them; " + Planner.whyNoneFits(model, recipe, gpus, budget, work);
+  }
   const need = Planner.minGpus(model, recipe, "ZeRO-3", budget, work);
   if (need.gpus == null) {
     return "nothing fits: even ZeRO-3 tends to its activations alone, which are above the "

@@ -48,36 +48,46 @@ const Readout = (() => {
     el.dataset.strategy = fit ?? "";
     el.classList.toggle("none", fit == null);
     el.textContent = fit == null
-      ? Planner.whyNoneFits(s.model, s.recipe, s.gpus, s.budget, s.work)
+      ? Planner.whyNoneFits(s.model, s.recipe, s.gpus, s.budget, s.work, s.shardGroup)
       : `first fit on ${s.gpus} GPUs: ${fit}`;
     const p = plans.find((x) => x.strategy === fit);
     if (p) {
       const ratio = Format.ratio(p.comm, plans[0].comm);
       const budget = `${Format.general(s.mem)} ${s.unitName}`;
+      const split = s.shardGroup == null ? ""
+        : `: ${gb(s, p.comm_inside)} inside, ${gb(s, p.comm_across)} across`;
       el.append(` (${Format.bytes(p.total, s.unit)} of ${budget} per GPU; `
-        + `sends ${gb(s, p.comm)} per step, ${ratio} DDP's bytes)`);
+        + `sends ${gb(s, p.comm)} per step${split}, ${ratio} DDP's bytes)`);
     }
   }
 
-  // render.plan_table
+  // render.plan_table: with a shard group, the bytes inside and across the groups too
   function planTable(s, plans) {
     const u = s.unitName;
     const ddp = plans[0].comm;
+    const hybrid = s.shardGroup != null;
+    const fields = hybrid ? [...PLAN_FIELDS, ["comm_inside", 2], ["comm_across", 2]]
+      : PLAN_FIELDS;
     const header = ["strategy", "weights", "grads", "optim", "activ", `total ${u}`, `comm ${u}`,
-      "vs DDP", `fits ${Format.general(s.mem)} ${u}`];
+      ...(hybrid ? [`inside ${u}`, `across ${u}`] : []), "vs DDP",
+      `fits ${Format.general(s.mem)} ${u}`];
     table($("plan-table"), header, plans.map((p) => (tr) => {
       tr.dataset.strategy = p.strategy;
       rowHeader(tr, p.strategy);
-      for (const [f, d] of PLAN_FIELDS) {
+      for (const [f, d] of fields) {
         cell(tr, Format.bytes(p[f], s.unit, d), { "data-field": f, "data-bytes": p[f] });
       }
       cell(tr, Format.ratio(p.comm, ddp), { "data-field": "ratio" });
       cell(tr, p.fits ? "yes" : "no",
         { "data-field": "fits", "data-fits": p.fits, class: p.fits ? "yes" : "no" });
     }));
-    $("plan-note").textContent = plans[0].activations == null
+    const replicas = hybrid ? s.gpus / s.shardGroup : 0;
+    const groups = !hybrid ? "" : ` Shard groups of ${s.shardGroup} (${replicas} replica`
+      + `${replicas > 1 ? "s" : ""}): the state is sharded over K, and only the reduced `
+      + "gradient shards cross between groups.";
+    $("plan-note").textContent = (plans[0].activations == null
       ? "activations: not modelled (give hidden and layers)"
-      : "Activations are not sharded: every GPU runs its own micro-batch.";
+      : "Activations are not sharded: every GPU runs its own micro-batch.") + groups;
   }
 
   // render.min_gpus_table
