@@ -49,7 +49,8 @@ __all__ = [
     "step_times",
     "Architecture", "DEFAULT_RECIPE", "DTYPE_BYTES", "MinGpus", "ModelSpec", "PRESETS",
     "RECIPES", "Recipe", "STRATEGIES", "StrategyPlan", "Workload", "activation_bytes",
-    "comm_bytes", "comm_bytes_by_level", "first_fit", "floor_bytes", "from_hf_config", "get_preset", "get_recipe",
+    "comm_bytes", "comm_bytes_by_level", "first_fit", "floor_bytes", "from_hf_config",
+    "get_preset", "get_recipe",
     "min_gpus", "model_state_bytes", "plan_all", "plan_strategy", "ring_all_reduce",
     "ring_one_way", "shard_degree", "stage_of", "transient_bytes", "why_none_fits",
 ]
