@@ -84,7 +84,13 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
 
         options = {k: v for k, v in (("prefetch", prefetch),
                                      ("reduce_bucket_size", reduce_bucket_size)) if v is not None}
-        net = zs.shard(model, stage=int(impl[-1]), **options)
+        if impl.endswith("-unchecked"):  # the engine without its run-time checks
+            options["config"] = {"check_collectives": False, "nonfinite": "ignore"}
+        elif impl.endswith("-nofingerprints"):  # without the fingerprints only
+            options["config"] = {"check_collectives": False}
+        elif impl.endswith("-hybrid2"):  # shard groups of 2, replicated across
+            options["shard_group"] = 2
+        net = zs.shard(model, stage=int(impl.split("-")[1]), **options)
         opt = torch.optim.AdamW(net.parameters(), lr=lr)
     elif impl in ("ddp", "ddp+zero"):
         from torch.nn.parallel import DistributedDataParallel
@@ -102,12 +108,21 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
     elif impl.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
-        reshard = impl == "fsdp2-reshard"
+        reshard = impl in ("fsdp2-reshard", "fsdp2-hsdp2")
+        mesh = None
+        if impl == "fsdp2-hsdp2":  # HSDP: shard over 2, replicate across world / 2
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world // 2, 2),
+                                    mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         net, opt = model, torch.optim.AdamW(model.parameters(), lr=lr)
         comm = (3 if reshard else 2) * ring_one_way(4 * P, world)
+        if mesh is not None:  # inside the pairs: gathers and reduce-scatters; across:
+            # one all-reduce of each reduced half
+            comm = 3 * ring_one_way(4 * P, 2) + ring_all_reduce(2 * P, world // 2)
     elif impl.startswith("deepspeed"):
         import deepspeed
 

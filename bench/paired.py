@@ -40,8 +40,9 @@ TARGETS = ["zeroshard-0:ddp", "zeroshard-1:ddp+zero", "zeroshard-2:fsdp2-noresha
            "zeroshard-3:fsdp2-reshard"]
 #: relative loss difference past which a pair did not train the same function
 LOSS_TOL = 1e-6
-PAIRABLE = {f"zeroshard-{s}" for s in range(4)} | {"ddp", "ddp+zero", "fsdp2-noreshard",
-                                                    "fsdp2-reshard"}
+PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4) for x in ("", "-unchecked",
+                                                              "-nofingerprints", "-hybrid2")}
+            | {"ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard", "fsdp2-hsdp2"})
 
 
 def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
