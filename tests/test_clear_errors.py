@@ -153,6 +153,11 @@ def test_a_rank_killed_without_an_error_is_named(tmp_path):
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "line": "x: error: y",
                                                      "code": 2}))
     assert told(tmp_path, {1: (-15, "SIGTERM"), 0: (2, "")}, 1) == ("x: error: y", 2)
+    # a rank that only lost its peer is not the story, even if it ended first
+    (tmp_path / "rank1.json").write_text(json.dumps(
+        {"rank": 1, "line": "x: error: RuntimeError: closed (ZEROSHARD_DEBUG=1 for the full "
+                            "trace)", "code": 1}))
+    assert told(tmp_path, {1: (1, ""), 0: (2, "")}, 1) == ("x: error: y", 2)
 
 
 @pytest.mark.dist

@@ -61,13 +61,15 @@ def recorded(folder: str | Path) -> dict[int, dict]:
 
 
 def told(folder: str | Path, failures: dict[int, tuple[int, str]], first: int) -> tuple[str, int]:
-    """The launcher's line and exit code for a failed run: the line of the rank that
-    failed first if it wrote one, else any rank's, else what the launcher saw
-    (``failures``: rank -> (exit code, signal name or ""))."""
+    """The launcher's line and exit code for a failed run (``failures``: rank -> (exit
+    code, signal name or "")): a rank's own error, preferring one whose message is the
+    whole story (a rank that lost its peer when another failed reports an unexpected
+    type, with the debug hint) and then the rank that failed first; without any, what
+    the launcher saw."""
     lines = recorded(folder)
-    for rank in (first, *sorted(lines)):
-        if rank in lines:
-            return lines[rank]["line"], int(lines[rank]["code"])
+    if lines:
+        rank = min(lines, key=lambda r: (_cli.DEBUG in lines[r]["line"], r != first, r))
+        return lines[rank]["line"], int(lines[rank]["code"])
     code, signal = failures[first]
     how = f"was killed by {signal}" if signal else f"exited with code {code}"
     return (f"zeroshard train: error: rank {first} {how} without an error of its own "

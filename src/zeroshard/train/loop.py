@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import shard  # the public zs.shard, wherever the engine defines it
+from .._paths import folder
 from ..checkpoint import load, load_pretrained, save, savedir
 from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
 from ..data import Corpus, decode
@@ -98,6 +99,9 @@ def train(cfg: TrainConfig) -> dict:
     rank, world = init_distributed(timeout_s=cfg.timeout)
     device = default_device()  # batches are made on the host, the same on every rank
     micro, accum = cfg.accumulation(world)
+    for name in ("save_dir", "profile"):  # under torchrun no launcher checked them
+        if getattr(cfg, name):
+            folder(name, getattr(cfg, name))
     gpt_cfg = get_preset(cfg.model)
     seq_len = gpt_cfg.block_size
     torch.manual_seed(cfg.seed)
