@@ -140,7 +140,6 @@ def test_config_file_flags_win(tmp_path):
     (["--mixed-precision", "fp8"], "mixed_precision='fp8' is not supported; expected None, "
                                    "'fp32', 'bf16' or a recipe name (bf16-mixed-adamw, "),
     (["--precision", "fp8"], "mixed_precision='fp8' is not supported"),
-    (["--mixed-precision", "fp16"], "not supported: fp16 compute needs dynamic loss scaling"),
     (["--reduce-dtype", "fp16"], "reduce_dtype='fp16'; expected 'fp32' or 'bf16'"),
     (["--units", "layers"], "units='layers'; expected 'blocks', 'model' or a parameter count"),
     (["--units", "0"], "units=0 must be a positive parameter count"),
@@ -291,6 +290,19 @@ def test_a_diverged_run_skips_then_stops_with_a_clear_error(capfd):
     assert "step 2 skipped (non-finite gradients): 1 in a row, 1 in all;" in out, out
     assert "step 4 skipped (non-finite gradients): 3 in a row, 3 in all; the run stops at 3 " \
            "in a row" in out, out
+
+
+def _fp16():
+    return train(TrainConfig(model="tiny", steps=8, batch=8, lr=1e-2, eval_every=100,
+                             eval_batches=1, sample_chars=0,
+                             zero=ZeroConfig(stage=2, mixed_precision="fp16")))["losses"]
+
+
+def test_fp16_trains_with_dynamic_loss_scaling():
+    """--precision fp16: the trainer scales the loss (zs.GradScaler); 8 steps at 2^16
+    without an overflow, the loss falling as under fp32."""
+    losses = spawn(_fp16, 2, timeout=120)[0]
+    assert all(x == x for x in losses) and losses[-1] < losses[0] - 0.5, losses
 
 
 def test_engine_flags_reach_the_ranks(capfd):

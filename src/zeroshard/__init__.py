@@ -20,6 +20,7 @@ _LAZY = {
     "save": "zeroshard.checkpoint",
     "load": "zeroshard.checkpoint",
     "load_pretrained": "zeroshard.checkpoint",
+    "GradScaler": "zeroshard.runtime.scaler",
     # the errors a run can meet on every rank alike (docs/faults.md)
     "NonFiniteGradients": "zeroshard.runtime.nonfinite",
     "RanksOutOfStep": "zeroshard.runtime.watch",

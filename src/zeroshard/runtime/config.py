@@ -46,7 +46,9 @@ class ZeroConfig:
     mixed_precision: str | None = None
     """None or "fp32": fp32 weights, no master copy (4/4/8 bytes per parameter).
     "bf16": bf16 compute weights and gradients, fp32 master and optimizer state
-    (2/2/12). A recipe name from ``zeroshard.plan.RECIPES`` is also accepted."""
+    (2/2/12). "fp16": the same in fp16, which needs dynamic loss scaling
+    (``zs.GradScaler``: without one the first step is an error). A recipe name from
+    ``zeroshard.plan.RECIPES`` is also accepted."""
     reduce_dtype: str | None = None
     """Dtype gradients are summed in across ranks; None: fp32 under mixed precision
     (one rounding into the stored dtype instead of one per rank), else the gradient
@@ -152,10 +154,6 @@ class ZeroConfig:
                 f"mixed_precision={self.mixed_precision!r} is not supported; expected None, "
                 f"'fp32', 'bf16' or a recipe name ({', '.join(RECIPES)})")
         recipe = get_recipe(name)
-        if recipe.param_dtype == "fp16":
-            raise NotImplementedError(
-                "fp16 compute needs dynamic loss scaling, which zeroshard does not implement; "
-                "use mixed_precision='bf16'")
         reduce = self.reduce_dtype
         if reduce is None:
             reduce = "fp32" if recipe.master_dtype else recipe.grad_dtype

@@ -210,7 +210,7 @@ class ShardedModel(Stepping, Readout, nn.Module):
         self.cycle.advance("backward_begin")
         self.comm.phase = "backward"
         self._stepped_by = None
-        self._cycle_norm = None  # this backward changes the gradients it measured
+        self._cycle_norm = self._verdict = None  # this backward changes the gradients
         self.reducer.begin(new_cycle)
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 

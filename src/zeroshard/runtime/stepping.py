@@ -20,6 +20,9 @@ class Stepping:
         self._stepped_by: int | None = None  # id of the optimizer that stepped this cycle
         self._checked: set[int] = set()
         self._cycle_norm: torch.Tensor | None = None  # the clipped norm of this cycle
+        self._verdict: tuple[str, str] | None = None  # a loss scaler's: ("skip", why)
+        self.loss_scaler = None
+        """The :class:`~zeroshard.runtime.scaler.GradScaler` made for this model, if any."""
         self.steps = 0
         """Optimizer steps taken (skipped ones included): every rank counts alike."""
         self.skipped_steps = 0
@@ -52,16 +55,26 @@ class Stepping:
         self.events.emit("step_begin", optimizer=optimizer)  # the landing counts in the step
         self._finalize_grads()
         self.last_step_skipped = False
-        if self.zero_config.nonfinite != "ignore":
+        problem, skip = None, False
+        if self._verdict is not None:  # a loss scaler has checked (and agreed) already
+            skip = self._verdict[0] == "skip"
+        elif self.units[0].compute_dtype == torch.float16:
+            raise ValueError(
+                "mixed_precision='fp16': fp16 gradients overflow and underflow without "
+                "dynamic loss scaling, and this step has none. Use scaler = "
+                "zs.GradScaler(model); scaler.scale(loss).backward(); scaler.step(optimizer); "
+                "scaler.update() — or mixed_precision='bf16'")
+        elif self.zero_config.nonfinite != "ignore":
             problem = nonfinite.verdict(self.units, self.comm, self._cycle_norm,
                                         self.steps + 1)
             if problem is not None and self.zero_config.nonfinite == "raise":
                 raise nonfinite.NonFiniteGradients(problem)
-            if problem is not None:  # skip: an optimizer steps no parameter without .grad
-                for _, shard in self._named_shards:
-                    shard.grad = None
-                self.last_step_skipped = True
-                self.skipped_steps += 1
+            skip = problem is not None
+        if skip:  # an optimizer steps no parameter without .grad, on every rank alike
+            for _, shard in self._named_shards:
+                shard.grad = None
+            self.last_step_skipped = True
+            self.skipped_steps += 1
         self.cycle.advance("step_begin")
         self._stepped_by = id(optimizer)
 
@@ -76,7 +89,7 @@ class Stepping:
             if prev is not None:
                 prev.wait_sync()
             prev = u
-        self._cycle_norm = None
+        self._cycle_norm = self._verdict = None
         self.steps += 1
         self.comm.step, self.comm.phase = self.steps, "between steps"
         self.events.emit("step_end")
@@ -84,7 +97,7 @@ class Stepping:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shards' gradients and start a new accumulation cycle."""
         self.cycle.advance("zero_grad")
-        self._cycle_norm = None
+        self._cycle_norm = self._verdict = None
         super().zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

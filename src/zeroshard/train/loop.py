@@ -17,6 +17,7 @@ from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
 from ..data import Corpus, decode
 from ..models.gpt import GPT, get_preset
 from ..runtime.dist import default_device, init_distributed
+from ..runtime.scaler import GradScaler
 from . import report
 from .config import TrainConfig
 from .profile import profile_report
@@ -113,6 +114,8 @@ def train(cfg: TrainConfig) -> dict:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    # fp16: dynamic loss scaling, every rank alike (skipped steps count as skips below)
+    scaler = GradScaler(model, enabled=model.zero_config.recipe.param_dtype == "fp16")
     corpus = Corpus.builtin()
     params = sum(p.numel() for p in GPT(gpt_cfg).parameters()) if rank == 0 else 0
     out = report.Reporter(cfg, world, micro, accum, params, enabled=rank == 0)
@@ -164,10 +167,12 @@ def train(cfg: TrainConfig) -> dict:
             for m in range(accum):
                 rows = slice(base + m * micro, base + (m + 1) * micro)
                 loss = model(x[rows].to(device), y[rows].to(device)) / accum
-                loss.backward()
+                scaler.scale(loss).backward()
                 step_loss += loss.detach().float()
+            scaler.unscale_(optimizer)
             norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else None
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad()
             loss_value = _global_mean(step_loss, world)
