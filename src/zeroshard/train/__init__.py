@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -154,7 +155,21 @@ def run(args) -> int:
     cmd = [sys.executable, "-m", "zeroshard.train.launch",  # torchrun, on loopback only
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
     with held:
-        return subprocess.run(cmd, env=env).returncode
+        return _wait(subprocess.Popen(cmd, env=env))
+
+
+def _wait(launcher: subprocess.Popen) -> int:
+    """The launcher's exit code. Ctrl-C reaches the launcher and the ranks too (the
+    terminal signals the whole process group): let the launcher stop the ranks and say
+    so; a SIGINT sent to this process alone is passed on after a while."""
+    while True:
+        try:
+            return launcher.wait()
+        except KeyboardInterrupt:
+            try:
+                return launcher.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                launcher.send_signal(signal.SIGINT)
 
 
 def _rank(cfg: TrainConfig) -> int:
@@ -165,6 +180,11 @@ def _rank(cfg: TrainConfig) -> int:
 
     try:
         train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once
+        if failure.ERROR_DIR not in os.environ or failure.debugging():
+            raise
+        release_process_groups()
+        return 130
     except Exception as exc:
         # the traceback holds train's frames, and with them the model
         rank = int(os.environ.get("RANK", "0"))

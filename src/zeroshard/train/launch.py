@@ -15,6 +15,7 @@ below is torch's static rendezvous with its store served on a socket bound to
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 BACKEND = "zeroshard-loopback"
@@ -56,6 +57,7 @@ def main(argv: list[str]) -> int:
     import shutil
     import tempfile
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.run import main as torchrun
@@ -84,6 +86,12 @@ def main(argv: list[str]) -> int:
         line, code = failure.told(folder, seen, first)
         sys.stderr.write(line + "\n")
         return code
+    except SignalException as exc:  # Ctrl-C (or a kill): torch's agent has stopped the ranks
+        if debug:
+            raise
+        sys.stderr.write(f"zeroshard train: stopped by {signal.Signals(exc.sigval).name}; "
+                         "checkpoints saved before it are complete\n")
+        return 128 + int(exc.sigval)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
