@@ -2,7 +2,9 @@
 
 Streams one parameter at a time, so host memory stays near the largest parameter
 whatever the model's size. Splits into files of at most --max-shard-size with a
-model.safetensors.index.json, as `from_pretrained` expects.
+model.safetensors.index.json, as `from_pretrained` expects. The files are written
+aside and moved in whole: a failed export leaves the output folder as it was, and a
+re-export removes what the one before it wrote there (other files are left alone).
 
 example:
   zeroshard export runs/ckpt/latest out/ --dtype bf16 --max-shard-size 2GB
@@ -35,7 +37,8 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ckpt", help="a checkpoint directory, or a save directory with `latest`")
+    p.add_argument("ckpt", help="a checkpoint directory, a save directory with `latest`, or "
+                                "that `latest` file")
     p.add_argument("out", help="output directory")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of the exported weights (default fp32)")
