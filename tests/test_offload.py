@@ -18,13 +18,14 @@ from . import engine_cases as cases
 pytestmark = pytest.mark.dist
 
 
-def _run(stage, precision, offload, optim="adamw"):
+def _run(stage, precision, offload, optim="adamw", micros=1):
     net = zs.shard(cases.build("gpt"), stage=stage, mixed_precision=precision, offload=offload)
     params = list(net.parameters())
     opt = (HostAdamW(params, lr=1e-3, weight_decay=0.1) if optim == "host" else
            torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=optim == "fused"))
     for step in range(20):
-        net(*cases.batch("gpt", step)).backward()
+        for micro in range(micros):  # accumulation: each landing goes to the host
+            net(*cases.batch("gpt", step, micro, micros)).backward()
         net.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
@@ -45,6 +46,8 @@ def _grid(root):
                 out[(precision, stage, offload)] = r
                 if (precision, stage, offload) == ("bf16", 3, "optimizer"):
                     zs.save(net, opt, os.path.join(root, "offloaded"), extra={"step": 21})
+    for offload in (None, "optimizer"):  # two micro-batches per step
+        out[("accumulated", offload)] = _run(2, "bf16", offload, micros=2)[2]
     # the host step: HostAdamW on offloaded shards is torch's fused AdamW, bit for bit
     out["host"] = _run(3, "bf16", "optimizer", optim="host")[2]
     out["fused"] = _run(3, "bf16", None, optim="fused")[2]
@@ -87,6 +90,12 @@ def test_the_ledger_by_placement(ranks, stage):
         params = ranks[0][("bf16", 3, "params")]["placed"]
         assert params["host"]["params"] == plain["device"]["params"] > 0
         assert params["device"]["params"] == 0
+
+
+def test_offload_is_exact_with_accumulation(ranks):
+    for r in ranks:
+        assert cases.bit_equal(r[("accumulated", "optimizer")]["weights"],
+                               r[("accumulated", None)]["weights"])
 
 
 def test_host_adamw_is_fused_adamw_bit_for_bit(ranks):

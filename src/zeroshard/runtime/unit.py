@@ -98,6 +98,7 @@ class Unit(UnitStep, UnitView):
         self._sync_work = None  # all-gather of updated weights after a step
         self._gather_work = None  # sharded parameters: (work, [N, S] buffer) of a gather
         self.w_secondary = None  # hpZ: [K/K2, S] slots kept from forward for backward
+        self.host_grads = None  # offload: the reduced slot copied to the host (master dtype)
         self.prefetched = False  # gathered ahead of use, not used yet
         self.name = ""  # the unit's module, as the model names it (set by the engine)
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
@@ -179,6 +180,7 @@ class Unit(UnitStep, UnitView):
         self.ready = False
         if new_cycle:
             self.fresh = True
+            self.host_grads = None
             self.presence = None
             self.step_grads = None
             if self.policy.keeps_full_grads:  # the last cycle's, still held
@@ -227,6 +229,10 @@ class Unit(UnitStep, UnitView):
                 self.grad_shard = reduced.to(self.grad_dtype)
             else:  # summed in the reduce dtype, rounded once into the stored dtype
                 self.grad_shard.add_(reduced)
+            if self.policy.offloads_optimizer:  # to the host as it lands, during backward;
+                # the cycle's last landing is the one the step uses
+                self.host_grads = self.grad_shard.to(self.master.device, self.master_dtype,
+                                                     non_blocking=True, copy=True)
         self.presence = flags.clone() if self.presence is None else self.presence + flags
         self.fresh = False
 
@@ -262,7 +268,7 @@ class Unit(UnitStep, UnitView):
                 shard.grad = None if not present[j] or g is None else (
                     g.to(self.master_dtype) if self.master is not None else g).view(shard.shape)
             return
-        flat = self.grad_shard
+        flat = self.host_grads if self.host_grads is not None else self.grad_shard
         if self.master is not None and (flat.dtype != self.master_dtype
                                         or flat.device != self.master.device):
             flat = flat.to(self.master.device, self.master_dtype)  # offload: to the host

@@ -24,7 +24,7 @@ class UnitStep:
                 self.params[i].grad = None
         # The shards' .grad keep what the step used until zero_grad(); the engine lets go,
         # so between steps no gradient memory is held (FSDP2 and DDP behave the same).
-        self.grad_shard = None
+        self.grad_shard = self.host_grads = None
         if self.master is not None:
             for i in self.trainable:
                 self.shards[i].grad = None  # fp32 copies: free them now

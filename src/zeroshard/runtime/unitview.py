@@ -102,6 +102,8 @@ class UnitView:
         out["optimizer"] += optimizer_state_bytes(optimizer, self.shards)
         if self.step_grads is not None and self.step_grads is not self.grad_shard:
             out["buffers"] += tensor_bytes(self.step_grads)
+        if self.host_grads is not None and self.host_grads is not self.step_grads:
+            out["buffers"] += tensor_bytes(self.host_grads)  # offload: landed, not yet handed
         return out
 
     def host_bytes(self, optimizer=None) -> dict[str, int]:
@@ -117,6 +119,8 @@ class UnitView:
             out["padding"] += (g_slot - g_real) * self.master_dtype.itemsize
             if self.step_grads is not None and self.step_grads is not self.grad_shard:
                 out["buffers"] += tensor_bytes(self.step_grads)
+            if self.host_grads is not None and self.host_grads is not self.step_grads:
+                out["buffers"] += tensor_bytes(self.host_grads)
         if pol.shards_params and pol.where("params") == "host":
             w_item, w_real = self.compute_dtype.itemsize, self.w_layout.real_numel(r)
             out["params"] += w_real * w_item
