@@ -74,14 +74,16 @@ class Reducer:
     def _flush(self) -> None:
         """Issue the pending bucket. Where the policy bounds them, at most two
         reductions stay in flight: the oldest is landed (its buffer freed) before a
-        third starts, so the buffers never add up to another copy of the gradients."""
+        third starts, so the buffers never add up to another copy of the gradients.
+        Under hybrid sharding its all-reduce across replica groups, on the reduced slot
+        only, then runs on while backward goes on (``Unit.advance_reduce``)."""
         if self._bucket:
             issue_reduce(self._bucket)
             self._flying.append(self._bucket)
             self._bucket = []
             while self.bounded and len(self._flying) > 2:
                 for u in self._flying.pop(0):
-                    u.wait_reduce()
+                    u.advance_reduce()  # landed; under hybrid its across still in flight
 
     def end(self) -> None:
         """Backward has ended: units with unused parameters are done now, the last

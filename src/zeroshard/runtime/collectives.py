@@ -113,11 +113,11 @@ class Collectives:
                    async_op: bool = False, unit=None):
         """Reduce ``t`` in place (a sum unless ``op`` says otherwise) over the shard group:
         what every rank's shards add up to. With ``grads``, over the whole data-parallel
-        group (every rank's gradients), on the reduction group, then across replicas."""
+        group (every rank's gradients): on the reduction group, then across replicas."""
         group = self.reduce_group if grads else self.shard_group
-        after = self._across(t) if grads else None
-        return self._issue("all_reduce", t, unit, lambda: _Then(dist.all_reduce(
-            t, op=op, group=group, async_op=True), then=after), async_op)
+        inside = self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
+            t, op=op, group=group, async_op=True), True)
+        return self._then_across(inside, t, None, unit, grads, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, mean: bool = False,
                        async_op: bool = False, unit=None):
@@ -128,41 +128,42 @@ class Collectives:
         slot: it holds the shard group's sums afterwards) and the slot lands in ``out``
         divided and copied in one pass."""
         n, k = self.dp_world, self.shard_world
-        across = self._across(out.view(-1))
+        divisor = n if mean and self.replica_group is None else None  # hybrid: after across
         if self.quant_grads and k > 1:  # qgZ: an all-to-all of int8 blocks, summed in fp32
             def call():
                 work = quantized_reduce_scatter(out.view(-1), inp.view(-1), self.reduce_group,
                                                 self.quant_block, async_op=True)
-                return _Then(work, then=lambda: _chain(out, across, n if mean else None))
-            return self._issue("reduce_scatter", inp, unit, call, async_op,
-                               nbytes=k * quantized_nbytes(out.numel(), self.quant_block))
-        if self._on_gloo(inp):  # [Note: gloo]
+                return _Then(work, then=lambda: divisor and out.div_(divisor))
+            inside = self._issue("reduce_scatter", inp, unit, call, True,
+                                 nbytes=k * quantized_nbytes(out.numel(), self.quant_block))
+        elif self._on_gloo(inp):  # [Note: gloo]
             def call():
                 work = dist.all_reduce(inp, group=self.reduce_group, async_op=True)
                 slot, dst = inp.view(k, -1)[self.shard_rank], out.view(-1)
-                if mean and across is None:
-                    return _Then(work, then=lambda: torch.div(slot, n, out=dst))
-                return _Then(work, then=lambda: _chain(dst.copy_(slot), across,
-                                                       n if mean else None))
+                return _Then(work, then=(lambda: torch.div(slot, divisor, out=dst)) if divisor
+                             else (lambda: dst.copy_(slot)))
+            inside = self._issue("reduce_scatter", inp, unit, call, True)
         else:
             def call():
                 work = _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
                                        async_op=True)
-                return _Then(work, then=lambda: _chain(out, across, n if mean else None))
-        return self._issue("reduce_scatter", inp, unit, call, async_op)
+                return _Then(work, then=lambda: divisor and out.div_(divisor))
+            inside = self._issue("reduce_scatter", inp, unit, call, True)
+        return self._then_across(inside, out.view(-1), n if mean else None, unit, True,
+                                 async_op)
 
-    def _across(self, t: torch.Tensor):
-        """Hybrid sharding: the all-reduce of ``t`` over the replica group that follows
-        a reduction inside the shard group ([Note: hybrid sharding] in ``groups.py``),
-        issued once that lands; None without replicas."""
-        if self.replica_group is None:
+    def _then_across(self, inside, t: torch.Tensor, divisor, unit, grads: bool,
+                     async_op: bool):
+        """A reduction inside the shard group, followed under hybrid sharding by the
+        all-reduce of ``t`` across the replica groups ([Note: hybrid sharding] in
+        ``groups.py``): one waitable for both, whose ``advance()`` lands the first and
+        issues the second without waiting for it, so it overlaps what follows."""
+        work = (_Across(self, inside, t, divisor, unit)
+                if grads and self.replica_group is not None else inside)
+        if not async_op:
+            work.wait()
             return None
-
-        def across():
-            self._issue("all_reduce", t, None, lambda: dist.all_reduce(
-                t, group=self.replica_group, async_op=True), False,
-                world=self.replica_world, level="across")
-        return across
+        return work
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False,
                    unit=None, secondary: bool = False, weights: bool = False):
@@ -208,15 +209,6 @@ class Collectives:
             t, src=root, group=self.group, async_op=True), False, world=self.dp_world)
 
 
-def _chain(t: torch.Tensor, across, divisor) -> None:
-    """After a reduction inside the shard group: the all-reduce across replica groups
-    (if any), then the division into a mean (if asked)."""
-    if across is not None:
-        across()
-    if divisor is not None:
-        t.div_(divisor)
-
-
 def _timeout_s(group) -> float | None:
     timeout = timeout_of(group)
     return timeout.total_seconds() if timeout is not None else None
@@ -236,6 +228,34 @@ class _Then:
             w.wait()
         if self.then is not None:
             self.then()
+        self.done = True
+
+
+class _Across:
+    """Hybrid sharding's two-level reduction as one waitable: ``advance()`` lands the
+    reduction inside the shard group and issues the all-reduce across replica groups;
+    ``wait()`` also waits for that, then divides into the mean. Idempotent, as the units
+    of a reduce bucket share one."""
+
+    def __init__(self, comm, inside, t: torch.Tensor, divisor, unit):
+        self.comm, self.inside, self.t, self.divisor, self.unit = comm, inside, t, divisor, unit
+        self.across, self.done = None, False
+
+    def advance(self) -> None:
+        if self.across is None:
+            self.inside.wait()
+            comm, t = self.comm, self.t
+            self.across = comm._issue("all_reduce", t, self.unit, lambda: dist.all_reduce(
+                t, group=comm.replica_group, async_op=True), True, world=comm.replica_world,
+                level="across")
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.advance()
+        self.across.wait()
+        if self.divisor is not None:
+            self.t.div_(self.divisor)
         self.done = True
 
 

@@ -207,11 +207,23 @@ class Unit(UnitStep, UnitView):
                 self.params[i].grad = None
         self.events.emit("reduce_issued", self)
 
+    def advance_reduce(self) -> None:
+        """Hybrid sharding: land the reduction inside the shard group and issue the one
+        across replica groups, not waiting for it (it overlaps what follows); the
+        reduce-scatter's input buffer goes now. Otherwise, :meth:`wait_reduce`."""
+        if self._in_flight is None or not hasattr(self._in_flight[0], "advance"):
+            self.wait_reduce()
+            return
+        work, part = self._in_flight[0], self._in_flight[-1]
+        work.advance()
+        if self.policy.reduce == "reduce_scatter":  # the across reduces ``part`` only
+            self._in_flight = (work, part)
+
     def wait_reduce(self) -> None:
         """Finish an issued reduction: average, then store where the stage keeps it."""
         if self._in_flight is None:
             return
-        work, _, out = self._in_flight
+        work, out = self._in_flight[0], self._in_flight[-1]
         work.wait()
         self._in_flight = None
         self.events.emit("reduce_done", self)
