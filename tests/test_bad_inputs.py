@@ -91,6 +91,8 @@ def tmp(world, tmp_path_factory) -> Path:
     model = zs.shard(GPT(get_preset("tiny")), stage=0)
     zs.save(model, torch.optim.AdamW(model.parameters()), root / "plain")
     export(root / "ckpt", root / "export")
+    export(root / "ckpt", root / "brokenexport", max_shard_bytes=50_000)
+    (root / "brokenexport" / "model-00002-of-00004.safetensors").unlink()
     shutil.copytree(root / "ckpt", root / "damaged")
     rank0 = root / "damaged" / "step-000002" / "rank00000.safetensors"
     with open(rank0, "r+b") as f:

@@ -129,8 +129,10 @@ def load_pretrained(model, path: str | Path) -> None:
                 raise ValueError(f"{wmap[e.name]}: {e.name!r} has shape {shape}, the model "
                                  f"{e.shape}")
             plan.append((e, f))
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         problem = str(exc)
+    except OSError as exc:  # a file the index names is missing or unreadable
+        problem = f"{exc.filename or path}: {exc.strerror or exc}"
     _agree(model, problem)
     with torch.no_grad():
         for e, f in plan:

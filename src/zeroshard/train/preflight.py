@@ -79,9 +79,9 @@ def init_from(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> None:
             if name in wmap:
                 f = opened.setdefault(wmap[name], TensorFile(str(wmap[name])))
                 found[name] = f.shape(name)
-    except OSError as exc:
-        raise ValueError(f"init_from={cfg.init_from!r} cannot be read "
-                         f"({exc.strerror or exc})") from None
+    except OSError as exc:  # a shard the index names is missing or unreadable
+        raise ValueError(f"init_from={cfg.init_from!r}: {exc.filename or cfg.init_from} "
+                         f"cannot be read ({exc.strerror or exc})") from None
     _same_model(f"init_from={cfg.init_from!r}", found, shapes, cfg.model)
 
 
