@@ -151,6 +151,7 @@ READ = """() => {
     params: document.getElementById('model-summary').dataset.params,
     gpus: document.getElementById('gpus').value,
     headline: headline.textContent,
+    offload: document.getElementById('offload-offer').textContent,
     first: headline.dataset.strategy,
     plan: byStrategy('#plan-table tbody tr'),
     mins: byStrategy('#min-table tbody tr'),
@@ -223,6 +224,16 @@ def _configs() -> list[dict]:
              shard_group=16),
         dict(mode="preset", preset="gpt2", gpus=12, mem=24, unit="GB", recipe="bf16-mixed-adamw",
              tokens=1024, checkpointing=True, shard_group=1),
+        # nothing fits the device: offload offered (the optimizer's; the weights' too; a
+        # custom recipe, whose host master is fp32; none that fits even so)
+        dict(mode="preset", preset="llama2-70b", gpus=8, mem=80, unit="GB",
+             recipe="bf16-mixed-adamw", tokens=2048, checkpointing=True),
+        dict(mode="preset", preset="llama2-70b", gpus=4, mem=48, unit="GiB",
+             recipe="bf16-mixed-adamw", tokens=1024, checkpointing=True),
+        dict(mode="params", params=13_000_000_000, hidden=5120, layers=40, gpus=2, mem=40,
+             unit="GB", recipe="2/2/12", tokens=2048, checkpointing=True),
+        dict(mode="preset", preset="llama2-70b", gpus=1, mem=24, unit="GB",
+             recipe="bf16-mixed-adamw", tokens=2048, checkpointing=True),
     ]
     for i, c in enumerate(out):
         group = f"-k{c['shard_group']}" if c.get("shard_group") else ""

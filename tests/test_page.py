@@ -26,6 +26,7 @@ from zeroshard.plan import (
     floor_bytes,
     get_recipe,
     min_gpus,
+    offload_offer,
     plan_all,
     why_none_fits,
 )
@@ -75,8 +76,9 @@ def expected(c: dict) -> dict:
     gpus, group = c["gpus"], c.get("shard_group")
     plans = plan_all(model, gpus, recipe, work, budget, shard_group=group)
     mins = [min_gpus(model, recipe, s, budget, work, c.get("step")) for s in STRATEGIES]
-    return dict(model=model, unit=unit, recipe=recipe, work=work, budget=budget, gpus=gpus,
-                plans=plans, mins=mins, fit=first_fit(plans), group=group)
+    return dict(model=model, unit=unit, recipe=recipe, work=work,
+                budget=budget, gpus=gpus, plans=plans, mins=mins, fit=first_fit(plans),
+                group=group)
 
 
 def check_readout(got: dict, want: dict) -> None:
@@ -90,7 +92,12 @@ def check_readout(got: dict, want: dict) -> None:
         why = why_none_fits(want["model"], want["recipe"], want["gpus"], want["budget"],
                             want["work"], group)
         assert got["headline"] == why
+        offer = offload_offer(want["model"], want["recipe"], want["gpus"], want["budget"],
+                              want["work"], group, unit=unit,
+                              unit_name="GiB" if unit == 2**30 else "GB")
+        assert got["offload"] == (offer or "")
     else:
+        assert got["offload"] == ""
         assert got["headline"].startswith(f"first fit on {want['gpus']} GPUs: {want['fit']}")
     ddp = plans[0].comm
     levels = (("comm_inside", 2), ("comm_across", 2)) if group is not None else ()

@@ -315,7 +315,8 @@ def test_tp_must_divide_gpus():
 
 H100 = Cluster(Accelerator("h100", 989e12, 3.35e12), get_network("nvlink4-ndr"))
 CASES = [(m, n) for m in ("llama2-7b", "llama2-13b", "llama2-70b") for n in (8, 16, 64, 256)]
-KEYS = ("stage", "tp", "shard group", "unit size", "prefetch", "checkpointing", "micro-batch")
+KEYS = ("stage", "tp", "shard group", "unit size", "prefetch", "checkpointing", "micro-batch",
+        "offload")
 
 
 def test_7b_on_one_h100_node_by_hand():
@@ -351,9 +352,15 @@ def test_recommend_seed_models(name, gpus):
     rec = recommend(model, BF16, gpus, budget, H100, 1024, 2048)
     if name == "llama2-70b" and gpus <= 16:
         # 16P/16 = 69 GB of state, and at the step 4P/16 of fp32 gradient copies and as
-        # much of AdamW's sqrt(v): 103 GB, past 72
-        assert rec.best is None
-        assert "its peak fits from 24 GPUs" in rec.reasons["none"]
+        # much of AdamW's sqrt(v): 103 GB, past 72 on the device; with the master and the
+        # optimizer state in host memory ZeRO-3 fits, and the reason says at what cost
+        assert rec.best.offload == "optimizer" and rec.best.stage == 3
+        assert rec.reasons["offload"].startswith("optimizer: nothing fits 72.00 GB on the "
+                                                 "device without it")
+        assert rec.best.memory <= budget * (1 - HEADROOM)
+        device = recommend(model, BF16, gpus, budget, H100, 1024, 2048, allow_offload=False)
+        assert device.best is None
+        assert "its peak fits from 24 GPUs" in device.reasons["none"]
         return
     b = rec.best
     assert set(rec.reasons) == set(KEYS) and all(rec.reasons[k] for k in KEYS)
@@ -371,15 +378,15 @@ def test_recommend_70b_on_16_h200s_fits():
     model = ModelSpec.from_arch(get_preset("llama2-70b"))
     rec = recommend(model, BF16, 16, 141 * 10**9, H100, 1024, 2048)
     assert rec.best.memory <= 0.9 * 141e9
-    assert "its peak fits from 16 GPUs" in recommend(model, BF16, 8, 141 * 10**9, H100, 1024,
-                                                     2048).reasons["none"]
-    assert recommend(model, BF16, 8, 141 * 10**9, H100, 1024, 2048).best is None
+    device = recommend(model, BF16, 8, 141 * 10**9, H100, 1024, 2048, allow_offload=False)
+    assert "its peak fits from 16 GPUs" in device.reasons["none"] and device.best is None
+    assert recommend(model, BF16, 8, 141 * 10**9, H100, 1024, 2048).best.offload == "optimizer"
 
 
 def test_recommend_headroom_is_a_setting():
     model = ModelSpec.from_arch(get_preset("llama2-70b"))
     # ZeRO-3 on 16 GPUs peaks at 103.5 GB (the step): above 0.9 x 110, within 110
-    tight = recommend(model, BF16, 16, 110 * 10**9, H100, 1024, 2048)
+    tight = recommend(model, BF16, 16, 110 * 10**9, H100, 1024, 2048, allow_offload=False)
     assert "--headroom sets the share left free" in tight.reasons["none"]
     rec = recommend(model, BF16, 16, 110 * 10**9, H100, 1024, 2048, headroom=0.0)
     assert rec.best.stage == 3 and rec.best.memory <= 110 * 10**9

@@ -10,16 +10,19 @@ Pure Python — importing this package never imports torch.
 [108.63, 37.88, 26.09, 14.3]
 """
 
-from .advice import MinGpus, first_fit, floor_bytes, min_gpus, why_none_fits
+from .advice import MinGpus, first_fit, floor_bytes, min_gpus, offload_offer, why_none_fits
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hardware import (
     ACCELERATORS,
+    HOSTS,
     NETWORKS,
     Accelerator,
     Cluster,
+    Host,
     Link,
     Network,
     get_accelerator,
+    get_host,
     get_network,
 )
 from .hfconfig import from_hf_config
@@ -39,6 +42,7 @@ from .memory import (
     stage_of,
     transient_bytes,
 )
+from .offload import OFFLOADS, Placement, pcie_bytes, placed_bytes
 from .recipes import DEFAULT_RECIPE, DTYPE_BYTES, RECIPES, Recipe, get_recipe
 from .recommend import Recommendation, recommend
 from .steptime import Schedule, StepTime, step_time, step_times
@@ -53,4 +57,6 @@ __all__ = [
     "get_preset", "get_recipe",
     "min_gpus", "model_state_bytes", "plan_all", "plan_strategy", "ring_all_reduce",
     "ring_one_way", "shard_degree", "stage_of", "transient_bytes", "why_none_fits",
+    "HOSTS", "Host", "OFFLOADS", "Placement", "get_host", "offload_offer", "pcie_bytes",
+    "placed_bytes",
 ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arch import ModelSpec
+from .hardware import DEFAULT_HOST, HOSTS, Host
 from .memory import STRATEGIES, Workload, plan_strategy, stage_of
+from .offload import host_step_bytes, owned, pcie_bytes
 from .recipes import Recipe
 
 #: Largest GPU count :func:`min_gpus` searches.
@@ -115,3 +117,34 @@ def why_none_fits(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
             f"budget of {budget:,} bytes; shorten the micro-batch or checkpoint activations"
         )
     return f"nothing fits on {gpus} GPUs; ZeRO-3 fits from {need.gpus} GPUs"
+
+
+def offload_offer(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
+                  work: Workload | None = None, shard_group: int | None = None,
+                  gpus_per_node: int = 8, host: Host | None = None, unit: int = 10**9,
+                  unit_name: str = "GB") -> str | None:
+    """When no strategy fits the device: the first that fits with offload (the optimizer
+    in host memory at stages 1, 2, 3, then the weight shards too at stage 3), its device
+    and host bytes, and what a step of one micro-batch pays for it: the PCIe copies
+    (gradients down in the master dtype, weights up) and the host step, at ``host``'s
+    rates (``plan/offload.py``). None when nothing fits even so."""
+    host = host or HOSTS[DEFAULT_HOST]
+    for offload, stages in (("optimizer", (1, 2, 3)), ("params", (3,))):
+        for stage in stages:
+            p = plan_strategy(model, gpus, recipe, stage, work, budget, 1, shard_group,
+                              offload)
+            if not p.fits:
+                continue
+            moved = pcie_bytes(model.params, gpus, recipe, stage, offload, 1, shard_group)
+            pcie = (moved["down"] + moved["up"]) / host.pcie.bandwidth
+            n = owned(model.params, gpus, stage, 1, shard_group)
+            step = n * host_step_bytes(recipe, offload) / (host.memory_bandwidth
+                                                           / gpus_per_node)
+            gb = lambda b: f"{b / unit:.2f} {unit_name}"  # noqa: E731
+            return (f"with offload='{offload}' {p.strategy} fits: {gb(p.total)} on the GPU, "
+                    f"{gb(p.host)} of host memory per GPU ({gb(p.host * gpus_per_node)} for a "
+                    f"node of {gpus_per_node}); each step of one micro-batch adds {pcie:.3f} s "
+                    f"over {host.pcie.name} ({gb(moved['down'])} of gradients down, "
+                    f"{gb(moved['up'])} of weights up) and a {step:.3f} s host step "
+                    f"(--offload {offload})")
+    return None

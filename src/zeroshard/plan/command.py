@@ -13,6 +13,7 @@ examples:
   zeroshard plan --model llama2-13b --gpus 64 --time --global-batch 1024
   zeroshard plan --model llama2-70b --gpus 64 --network pcie4-roce --recommend
   zeroshard plan --model llama2-13b --gpus 64 --shard-group node --time
+  zeroshard plan --model llama2-70b --gpus 8 --offload optimizer --time
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hfconfig import KINDS, from_hf_config
 from .memory import STRATEGIES, Workload, plan_all, stage_of
+from .offload import OFFLOADS, pcie_bytes
 from .peak import peak
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 
@@ -64,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_RECIPE})")
     h.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"),
                    help="dtype gradients travel in (default: the recipe's gradient dtype)")
+    h.add_argument("--offload", choices=OFFLOADS,
+                   help="keep the master and optimizer state in host memory (stages 1-3), "
+                        "'params' the weight shards too (stage 3; ZeRO-1/2 then offload the "
+                        "optimizer only, DDP nothing): device and host bytes, host memory per "
+                        "node, PCIe bytes per step. Disk offload is not in the engine yet")
 
     a = p.add_argument_group("activations")
     a.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (default 2048)")
@@ -187,6 +194,7 @@ def run(args) -> int:
         rec = timecmd.run_recommend(args, model, recipe, budget)
         if args.json:
             json.dump({"model": model.name, "params": model.params, "gpus": args.gpus,
+                       "offload": args.offload, "gpus_per_node": args.gpus_per_node,
                        "shard_group": timecmd.shard_group(args, per_tp=True),
                        "recipe": recipe.name, "budget": budget, "accelerator": args.accelerator,
                        "network": args.network, "recommend": rec.as_dict()}, sys.stdout,
@@ -202,10 +210,16 @@ def run(args) -> int:
     if group is not None and args.min_gpus:
         raise ValueError("--min-gpus searches GPU counts for plain sharding; under "
                          f"--shard-group={args.shard_group} memory depends on the group alone")
-    plans = plan_all(model, args.gpus, recipe, work, budget, tp, group)
+    if args.offload and (args.min_gpus or args.sweep):
+        raise ValueError(f"--offload={args.offload} plans one GPU count; drop "
+                         f"{'--min-gpus' if args.min_gpus else '--sweep'}")
+    plans = plan_all(model, args.gpus, recipe, work, budget, tp, group, args.offload)
     prefetch = 1 if args.prefetch is None else args.prefetch
     peaks = [peak(model, recipe, work, args.gpus, s, prefetch, args.blocks_per_unit, tp,
-                  shard_group=group) for s in range(4)]
+                  shard_group=group, offload=args.offload) for s in range(4)]
+    steps = timecmd.accumulation(args, work, tp) if args.offload else 1
+    moved = [pcie_bytes(model.params, args.gpus, recipe, s, p.offload, tp, group, steps)
+             for s, p in enumerate(plans)]
     times = timecmd.run_time(args, model, recipe, work) if args.time else None
     fit = advice.first_fit(plans)
     if args.gpu_step is not None and not args.min_gpus:
@@ -225,6 +239,12 @@ def run(args) -> int:
             "strategies": [{**p.as_dict(), "peak": q.as_dict()}
                            for p, q in zip(plans, peaks) if p.strategy in shown],
         }
+        if args.offload:
+            out["offload"], out["gpus_per_node"] = args.offload, args.gpus_per_node
+            rows = iter(out["strategies"])
+            for p, pc in zip(plans, moved):
+                if p.strategy in shown:
+                    next(rows).update(host_per_node=p.host * args.gpus_per_node, pcie=pc)
         if mins is not None:
             out["min_gpus"] = [m.as_dict() for m in mins if m.strategy in shown]
         if sweep_plans is not None:
@@ -236,12 +256,19 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         render.plan_table(model, recipe, work, args.gpus, budget, plans, shown, unit, args.gib)
+        if args.offload:
+            render.offload_lines(plans, moved, shown, args.gpus_per_node, unit, args.gib)
         render.line("peak per GPU (the largest of the loss's backward, a unit's backward "
                     "and the optimizer step): " + "; ".join(
                         f"{p.strategy} {q.bytes / unit:.2f} at the {q.moment}"
                         for p, q in zip(plans, peaks) if p.strategy in shown))
         if fit is None:
             render.line(advice.why_none_fits(model, recipe, args.gpus, budget, work, group))
+            offer = None if args.offload or tp > 1 else advice.offload_offer(
+                model, recipe, args.gpus, budget, work, group, args.gpus_per_node,
+                timecmd.cluster(args).host_side, unit, "GiB" if args.gib else "GB")
+            if offer:
+                render.line(offer)
         else:
             render.line(f"first fit on {args.gpus} GPUs: {fit}")
         if mins is not None:

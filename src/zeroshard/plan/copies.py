@@ -51,7 +51,9 @@ class CopyBytes:
     step: float
     """Once per step with a master: ``assign_step_grads``' cast to it if g ≠ m
     (``Q·(g + m)`` at stage 0, ``/N`` above) and ``refresh_compute``'s master copy into
-    the weights at stage 0 (``Q·(m + w)``) and into ``w_shard`` at stage 3 (``/N``)."""
+    the weights at stage 0 (``Q·(m + w)``) and into ``w_shard`` at stage 3 (``/N``).
+    Offloaded, both casts leave the device: the gradient is cast at each landing (in
+    :attr:`land`, before it is copied down) and the master on the host."""
 
     def per_step(self, units: int, micro_batches: int) -> float:
         """Bytes of a step of ``micro_batches`` passes over ``units`` units (stage 3
@@ -62,9 +64,13 @@ class CopyBytes:
 
 
 def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
-               gloo: bool = False) -> CopyBytes:
+               gloo: bool = False, offload: str | None = None) -> CopyBytes:
     """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks;
-    ``gloo``: with the copies the engine adds around gloo's in-place all-gathers."""
+    ``gloo``: with the copies the engine adds around gloo's in-place all-gathers;
+    ``offload`` (``plan/offload.py``): every landing casts the reduced slot to the
+    master dtype on the device before it goes to the host (CUDA converts, then copies
+    across), and the step's casts and the stage 1-2 all-gather input are made on the
+    host (the input arrives by PCIe, no device copy)."""
     Q, n = unit_params, unit_params / dp
     w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
                   recipe.master_bytes)
@@ -85,12 +91,16 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
     gather = 0.0
     if stage == 3:
         gather = 2 * Q * w + (2 * n * w if gloo and broadcasts else staged)
+    if offload:  # the landing's cast before the copy down (an fp32 master offloaded)
+        down = _cast(n, gd, md or "fp32", g, m or 4)
+        land, land_more = land + down, land_more + down
+    master = md is not None or offload is not None  # offloaded: a host master even in fp32
     sync_input = sync_unpack = step = 0.0
     if stage in (1, 2):
-        sync_input = _cast(n, md, wd, m, w) if md else 2 * n * w
-        sync_unpack = 2 * Q * w if md else 2 * (Q - n) * w  # without a master: the others' rows
-        sync_unpack += staged
-    if md:
+        sync_input = 0.0 if offload else _cast(n, md, wd, m, w) if md else 2 * n * w
+        # with a master every row is re-landed; without, the other ranks' rows only
+        sync_unpack = (2 * Q * w if master else 2 * (Q - n) * w) + staged
+    if md and not offload:
         owned = Q if stage == 0 else n
         step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)
     return CopyBytes(Q * (g + r), land, land_more, gather, sync_input, sync_unpack, step)

@@ -17,6 +17,17 @@ second (decimal units), one direction, per GPU:
   across the network. These are order-of-magnitude assumptions (NCCL does not publish
   one figure); they matter only for small messages, i.e. many small units.
 
+- **host** (offload, ``Host``): the GPU's PCIe link to host memory and the node's host
+  memory bandwidth. PCIe 5.0 runs 32 GT/s per lane with 128b/130b encoding (PCI-SIG,
+  PCI Express Base Specification 5.0, 2019): 16 lanes carry 32e9·16·128/130/8 = 63.0
+  GB/s each way; transaction-layer headers, framing and flow control take about a tenth
+  at 256-byte payloads, so a pinned ``cudaMemcpyAsync`` reaches about 55 GB/s, the
+  preset's figure (PCIe 4.0: half, 27.5 GB/s). Host memory: a DGX H100's two Xeon
+  Platinum 8480C have 8 DDR5-4800 channels each (Intel's product specification; NVIDIA
+  DGX H100 user guide), 2·8·4800e6·8 = 614 GB/s, of which a STREAM-style kernel streams
+  about 75 %: 460 GB/s for the node (a DGX A100's two EPYC 7742, 8 DDR4-3200 channels
+  each: 410 GB/s, 300 GB/s streamed), shared by the node's GPUs' host steps.
+
 The ``cpu`` accelerator and ``loopback`` network hold what ``bench/steptime.py``
 measured on the project's 2-core machine (docs/steptime.md); a run of that script on
 another machine gives its own figures.
@@ -102,6 +113,25 @@ class Network:
 
 
 @dataclass(frozen=True)
+class Host:
+    """A node's host side, for offload: each GPU's link to host memory, and the host
+    memory bandwidth the node's optimizer steps share."""
+
+    name: str
+    """Name accepted by ``--host``."""
+    pcie: Link
+    """One GPU's link to host memory, one direction (copies down and up each run at
+    this rate; the engine makes them on the compute stream)."""
+    memory_bandwidth: float = 460e9
+    """Bytes/s the node's host memory streams (a STREAM-style figure, not the channels'
+    peak); the GPUs of a node step at once, each at ``memory_bandwidth / gpus_per_node``.
+    Default: a DGX H100's 614 GB/s of DDR5-4800 channels at 75 %."""
+
+    def __post_init__(self) -> None:
+        _positive(self.name, "memory_bandwidth", self.memory_bandwidth)
+
+
+@dataclass(frozen=True)
 class Cluster:
     """What the step-time model runs on: an accelerator, a network, a node size."""
 
@@ -111,11 +141,22 @@ class Cluster:
     """The links between chips."""
     gpus_per_node: int = 8
     """GPUs that share the intra-node level; a ring over more spans nodes."""
+    host: Host | None = None
+    """The host side for offload (None: ``HOSTS[DEFAULT_HOST]``)."""
 
     def __post_init__(self) -> None:
         n = self.gpus_per_node
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"gpus_per_node={n!r} must be a positive integer")
+
+    @property
+    def host_side(self) -> Host:
+        """The host the offload model uses."""
+        return self.host or HOSTS[DEFAULT_HOST]
+
+    def host_bandwidth(self) -> float:
+        """Bytes/s of host memory one GPU's host step gets: the node's, shared."""
+        return self.host_side.memory_bandwidth / self.gpus_per_node
 
     def link(self, ranks: int, stride: int = 1) -> Link:
         """The level a ring of ``ranks`` GPUs ``stride`` apart is bound by (consecutive
@@ -168,6 +209,15 @@ NETWORKS: dict[str, Network] = {
     )
 }
 
+HOSTS: dict[str, Host] = {
+    h.name: h
+    for h in (
+        Host("pcie5", Link("PCIe 5.0 x16 to host", 55e9, 10e-6), 460e9),  # DGX H100-like
+        Host("pcie4", Link("PCIe 4.0 x16 to host", 27.5e9, 10e-6), 300e9),  # DGX A100-like
+    )
+}
+
+DEFAULT_HOST = "pcie5"
 DEFAULT_ACCELERATOR = "h100"
 DEFAULT_NETWORK = "nvlink4-ndr"
 
@@ -181,6 +231,14 @@ def get_accelerator(name: str, efficiency: float | None = None) -> Accelerator:
     if efficiency is None:
         return a
     return Accelerator(a.name, a.peak_flops, a.memory_bandwidth, efficiency)
+
+
+def get_host(name: str, memory_bandwidth: float | None = None) -> Host:
+    """A host preset by name, optionally with another memory bandwidth (bytes/s)."""
+    if name not in HOSTS:
+        raise ValueError(f"unknown host {name!r}; expected one of {', '.join(HOSTS)}")
+    h = HOSTS[name]
+    return h if memory_bandwidth is None else Host(h.name, h.pcie, memory_bandwidth)
 
 
 def get_network(name: str) -> Network:

@@ -46,6 +46,7 @@ whole elements).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .activations import family_bytes, korthikanti_bytes
 from .arch import ModelSpec
@@ -58,6 +59,9 @@ from .comm import (  # noqa: F401 - re-exported: the planner's communication mod
     shard_degree,
 )
 from .recipes import Recipe
+
+if TYPE_CHECKING:
+    from .offload import Placement
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
@@ -150,6 +154,16 @@ class StrategyPlan:
     and replicates across the groups (None: over all of them)."""
     comm_across: int = 0
     """Of ``comm``, the bytes sent across shard groups (the replicas' all-reduce)."""
+    offload: str | None = None
+    """What this strategy keeps in host memory (``plan/offload.py``); ``weights``,
+    ``grads`` and ``optimizer`` are then the device's bytes."""
+    placement: Placement | None = None
+    """With ``offload``: the :class:`~zeroshard.plan.offload.Placement` at the step."""
+
+    @property
+    def host(self) -> int:
+        """Host bytes per GPU (master, optimizer state, fp32 gradients; weight shards)."""
+        return 0 if self.placement is None else self.placement.host.total
 
     @property
     def comm_inside(self) -> int:
@@ -179,6 +193,9 @@ class StrategyPlan:
             "shard_group": self.shard_group,
             "comm_inside": self.comm_inside,
             "comm_across": self.comm_across,
+            "offload": self.offload,
+            "host": self.host,
+            "placement": None if self.placement is None else self.placement.as_dict(),
         }
 
 
@@ -223,9 +240,12 @@ def plan_strategy(
     budget: int | None = None,
     tp: int = 1,
     shard_group: int | None = None,
+    offload: str | None = None,
 ) -> StrategyPlan:
     """Per-GPU bytes of one strategy on ``gpus`` GPUs (``gpus / tp`` data-parallel ranks,
-    sharded over all of them or over groups of ``shard_group``)."""
+    sharded over all of them or over groups of ``shard_group``); ``offload`` as far as
+    the strategy takes it (none at stage 0, the optimizer's below stage 3)."""
+    from .offload import offload_at, placed_bytes  # builds on this module
     if not isinstance(gpus, int) or gpus <= 0:
         raise ValueError(f"gpus={gpus!r} must be a positive integer")
     shard_degree(gpus, tp, shard_group)
@@ -233,18 +253,24 @@ def plan_strategy(
     work = work or Workload()
     weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp,
                                                   shard_group)
+    offload = offload_at(stage, offload)
+    placed = None
+    if offload:
+        placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group)
+        weights, grads, optimizer = placed.device.weights, placed.device.grads, 0
     levels = comm_bytes_by_level(model.params, gpus, recipe, stage, shard_group, tp)
     return StrategyPlan(
         STRATEGIES[stage], weights, grads, optimizer,
         activation_bytes(model, recipe, work, tp), levels["inside"] + levels["across"],
         budget, tp, tp_comm_bytes(model, recipe, work, tp), shard_group, levels["across"],
+        offload, placed,
     )
 
 
 def plan_all(model, gpus, recipe, work=None, budget=None, tp=1,
-             shard_group=None) -> list[StrategyPlan]:
+             shard_group=None, offload=None) -> list[StrategyPlan]:
     """One :class:`StrategyPlan` per strategy, DDP first."""
-    return [plan_strategy(model, gpus, recipe, s, work, budget, tp, shard_group)
+    return [plan_strategy(model, gpus, recipe, s, work, budget, tp, shard_group, offload)
             for s in range(4)]
 
 

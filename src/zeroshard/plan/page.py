@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .advice import MAX_GPUS
 from .arch import PRESETS, Architecture, ModelSpec
+from .hardware import DEFAULT_HOST, HOSTS, Host
 from .memory import STRATEGIES, Workload, shard_degree
 from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
 
@@ -28,7 +29,8 @@ from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
 GPU_MEMORY_GB = (24, 40, 48, 80, 141)
 
 #: Scripts inlined in this order: data first, the planner port, then what draws it.
-SCRIPTS = ("format.js", "planner.js", "readout.js", "charts.js", "exercises.js", "app.js")
+SCRIPTS = ("format.js", "planner.js", "offload.js", "readout.js", "charts.js", "exercises.js",
+           "app.js")
 
 DEFAULT_MODEL = "llama2-7b"
 
@@ -43,6 +45,12 @@ def _recipe_data(recipe: Recipe) -> dict:
               "reduce_bytes", "activation_bytes", "total_bytes")
     return {"name": recipe.name, **{f: getattr(recipe, f) for f in fields},
             "optimizer_states": recipe.optimizer_states}
+
+
+def _host_data(host: Host) -> dict:
+    """The host side advice.offload_offer prices offload with, nodes of 8 GPUs."""
+    return {"pcie_name": host.pcie.name, "pcie_bandwidth": host.pcie.bandwidth,
+            "memory_bandwidth": host.memory_bandwidth, "gpus_per_node": 8}
 
 
 def _recipe_key(recipe: Recipe) -> str:
@@ -116,6 +124,7 @@ def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = Fals
         "default_recipe": DEFAULT_RECIPE,
         "presets": {name: _preset_data(a) for name, a in PRESETS.items()},
         "recipes": recipes,
+        "host": _host_data(HOSTS[DEFAULT_HOST]),
         "initial": {
             "model": _model_state(model), "gpus": gpus, "gpu_mem": gpu_mem,
             "unit": "GiB" if gib else "GB", "recipe": _recipe_key(recipe), "tokens": tokens,

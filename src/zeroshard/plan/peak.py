@@ -22,6 +22,11 @@ figure. What a GPU must hold is the largest of these moments (each byte term int
    element at once (``_multi_tensor_adamw``'s ``exp_avg_sq_sqrt``), ``fused`` none,
    the per-parameter loop one parameter's worth.
 
+With ``offload`` (``plan/offload.py``) the moments count what stays on the device: the
+master, the optimizer state, the fp32 gradient copies and the step's temporaries move to
+the host (:attr:`Peak.host`), with ``params`` the weight shards too, whose device copies
+join each gather in flight.
+
 ``profiled`` leaves out what the engine's profiler cannot see (autograd's gradients
 and the optimizer's temporaries), for holding the plan against a profile.
 """
@@ -32,13 +37,8 @@ from dataclasses import dataclass
 
 from .activations import head_bytes, loss_backward_bytes
 from .arch import ModelSpec
-from .memory import (
-    Workload,
-    activation_bytes,
-    model_state_bytes,
-    shard_degree,
-    transient_bytes,
-)
+from .memory import Workload, activation_bytes, shard_degree, transient_bytes
+from .offload import offload_at, placed_bytes
 from .recipes import Recipe
 
 #: How the optimizer's temporaries are counted: all owned elements, none, one parameter.
@@ -79,6 +79,8 @@ class Peak:
     """The optimizer's own temporaries at the step."""
     accumulating: bool = False
     """More than one micro-batch per step: gradients are held during backward."""
+    host: int = 0
+    """Offload: host bytes per GPU at the step (state, fp32 gradients, temporaries)."""
 
     @property
     def phases(self) -> dict[str, int]:
@@ -122,7 +124,7 @@ class Peak:
             "weights", "grads", "optimizer", "activations", "head_activations",
             "loss_backward", "root_gathered", "root_transients", "root_grads",
             "unit_transients", "step_grads",
-            "optimizer_temporaries", "accumulating")}
+            "optimizer_temporaries", "accumulating", "host")}
         return {**out, "phases": self.phases, "peak": self.bytes, "moment": self.moment}
 
 
@@ -136,17 +138,21 @@ def unit_params(model: ModelSpec, blocks_per_unit: int, tp: int = 1) -> tuple[in
 
 def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int,
          prefetch: int = 1, blocks_per_unit: int = 1, tp: int = 1, micro_batches: int = 1,
-         optimizer_impl: str = "foreach", shard_group: int | None = None) -> Peak:
+         optimizer_impl: str = "foreach", shard_group: int | None = None,
+         offload: str | None = None) -> Peak:
     """The :class:`Peak` of one GPU of ``gpus`` at ``stage`` running ``micro_batches``
     micro-batches of ``work`` per step; with ``shard_group`` K (hybrid sharding) every
     shard, reduction buffer and owned slice is that of K ranks (the replicas'
-    all-reduce runs in place on the reduced slot: nothing more is held)."""
+    all-reduce runs in place on the reduced slot: nothing more is held); ``offload`` as
+    far as ``stage`` takes it (``offload.offload_at``)."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r}; expected one of "
                          f"{', '.join(OPTIMIZER_IMPLS)}")
     dp = shard_degree(gpus, tp, shard_group)  # the ranks each category is sharded over
-    weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp,
-                                                  shard_group)
+    offload = offload_at(stage, offload)
+    placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group)
+    weights, grads, optimizer = (placed.device.weights, placed.device.grads,
+                                 placed.device.optimizer)
     acts = activation_bytes(model, recipe, work, tp) or 0
     head = 0
     loss = 0
@@ -160,6 +166,8 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     gathered = 0
     if stage == 3:
         gathered = (root + prefetch * block) * recipe.weight_bytes
+        if offload == "params":  # each gather's input copied up from the host first
+            gathered += _ceil_div(root + prefetch * block, dp) * recipe.weight_bytes
     root_transients = sum(transient_bytes(recipe, stage, dp, root, prefetch).values())
     transients = sum(transient_bytes(recipe, stage, dp, block, prefetch).values())
     root_grads = grads * root // max(1, _ceil_div(model.params, tp))
@@ -171,5 +179,9 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     largest = max(root, block) if stage == 0 else _ceil_div(max(root, block), dp)
     temporaries = {"foreach": owned * per_state, "fused": 0,
                    "for-loop": largest * per_state}[optimizer_impl]
+    if offload:  # the fp32 gradients and the step's temporaries are the host's
+        host, step_grads, temporaries = placed.host.total + temporaries, 0, 0
+    else:
+        host = 0
     return Peak(weights, grads, optimizer, acts, head, loss, gathered, root_transients,
-                root_grads, transients, step_grads, temporaries, micro_batches > 1)
+                root_grads, transients, step_grads, temporaries, micro_batches > 1, host)

@@ -3,7 +3,10 @@ what the alternatives would cost (``recommend.py`` finds the candidates)."""
 
 from __future__ import annotations
 
-from .memory import STRATEGIES
+from .advice import gpu_counts
+from .memory import STRATEGIES, Workload
+from .offload import pcie_bytes
+from .peak import peak
 
 #: A more complex configuration must beat a simpler one by more than this fraction.
 TIE = 0.01
@@ -115,3 +118,77 @@ def reasons(best, found, need: dict, tps, groups: dict, cluster, limit: int,
                           "ranks; fewer passes mean fewer reductions (the engine reduces "
                           "after every backward)")
     return why
+
+
+def _group_name(shard_group: int | str, cluster) -> str:
+    if shard_group == "node":
+        return f"a node ({cluster.gpus_per_node} GPUs)"
+    return f"{shard_group} ranks"
+
+
+def _fewest_gpus(model, recipe, limit: int, work: Workload) -> int | None:
+    """The fewest whole 8-GPU nodes (or 1) at which ZeRO-3's planned peak with
+    ``work`` fits ``limit``; the peak never grows with N, so a binary search."""
+    counts = gpu_counts(8)
+    fits = lambda i: peak(model, recipe, work, counts[i], 3).bytes <= limit  # noqa: E731
+    if not fits(len(counts) - 1):
+        return None
+    lo, hi = 0, len(counts) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return counts[lo]
+
+
+def none_reason(model, recipe, gpus: int, cluster, limit: int, headroom: float, need: dict,
+                groups: dict, shard_group, seq_len: int, flash: bool,
+                offload_need: dict) -> str:
+    """Why nothing fits: what even ZeRO-3 with one sequence needs (on the device, and
+    with offload when it was tried), and what would make it fit."""
+    still = ""
+    if offload_need:
+        least = min((v for (s, _, _), v in offload_need.items() if s == 3), default=0)
+        still = (f"; with the optimizer and the weight shards in host memory it still needs "
+                 f"{gb(least)}")
+    if any(groups.values()) and shard_group is not None:
+        least = min((v for (s, _, g), v in need.items() if s == 3 and g), default=0)
+        return (f"nothing fits {gb(limit)} per GPU ({headroom:.0%} headroom) in shard "
+                f"groups of {_group_name(shard_group, cluster)}: even ZeRO-3 with "
+                f"checkpointing and one sequence needs {gb(least)}{still}, and more GPUs do "
+                "not lower it; a larger group does (or no group: plain sharding over every "
+                "rank)")
+    least = min((v for (s, _, _), v in need.items() if s == 3), default=0)
+    fewest = _fewest_gpus(model, recipe, limit, Workload(seq_len, seq_len, True, flash))
+    return (f"nothing fits {gb(limit)} per GPU ({headroom:.0%} headroom) on {gpus} "
+            f"GPUs: even ZeRO-3 with checkpointing and one sequence needs "
+            f"{gb(least)}{still}; " + (
+                f"its peak fits from {fewest} GPUs"
+                if fewest else "no GPU count fits; shorten the sequences")
+            + (" (--headroom sets the share left free)" if headroom else ""))
+
+
+def offload_reason(b, device_need: dict, limit: int, model, recipe, gpus: int, cluster,
+                   asked: str | None) -> str:
+    """What offload costs (or that none is needed): host memory per GPU and per node, the
+    bytes over PCIe per step and their seconds on the compute path, the host step."""
+    if b.offload is None:
+        return "none: the state fits on the device"
+    least = min(device_need.values(), default=0)
+    why = ("asked for (--offload)" if asked else
+           f"nothing fits {gb(limit)} on the device without it (the least any stage needs "
+           f"is {gb(least)})")
+    where = ("the master, the optimizer state and the weight shards" if b.offload == "params"
+             else "the master and the optimizer state")
+    placed = peak(model, recipe, Workload(), gpus, b.stage, b.prefetch,
+                  b.blocks_per_unit, b.tp, shard_group=b.shard_group, offload=b.offload)
+    moved = pcie_bytes(model.params, gpus, recipe, b.stage, b.offload, b.tp, b.shard_group,
+                       b.accumulation)
+    t, node = b.time, cluster.gpus_per_node
+    cost = t.pcie + t.optimizer
+    return (f"{b.offload}: {why}; {where} live in host memory, {gb(placed.host)} per GPU "
+            f"at the step with AdamW's temporaries ({gb(placed.host * node)} per node of "
+            f"{node}); per step {gb(moved['down'])} of "
+            f"gradients go down and {gb(moved['up'])} of weights up over "
+            f"{cluster.host_side.pcie.name}, {t.pcie:.3f} s on the compute path, and the "
+            f"host step takes {t.optimizer:.3f} s: {cost:.3f} s of the {t.step:.3f} s step "
+            f"({cost / t.step:.0%})")

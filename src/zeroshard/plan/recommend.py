@@ -27,6 +27,12 @@ documents' stage-selection guide is encoded as rules on top of that ranking:
   group is more than :data:`TIE` faster. (Stage 0 in groups holds what DDP holds and
   sends more: it is not tried.)
 
+- **offload only when nothing else fits** (``plan/offload.py``; the source documents'
+  "ZeRO-3 + offloading" for the largest models): if no configuration fits the device,
+  the search runs again with the optimizer in host memory (stages 1-3), then with the
+  weight shards there too (stage 3), and the ``offload`` reason says what it costs in
+  time: PCIe copies on the compute path and the host step.
+
 Micro-batches are whole sequences; the global batch (sequences per optimizer step)
 must divide by the data-parallel degree times the micro-batch, the rest being gradient
 accumulation steps.
@@ -37,7 +43,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import reasons
-from .advice import gpu_counts
 from .arch import ModelSpec
 from .hardware import Cluster
 from .memory import STRATEGIES, Workload, shard_degree
@@ -79,6 +84,8 @@ class Candidate:
     """Hybrid sharding: data-parallel ranks per shard group (None: plain, over all)."""
     dp: int = 0
     """Data-parallel ranks (GPUs / tp)."""
+    offload: str | None = None
+    """What lives in host memory (``plan/offload.py``), None: nothing."""
 
     @property
     def strategy(self) -> str:
@@ -92,13 +99,14 @@ class Candidate:
     @property
     def key(self) -> tuple:
         """How much machinery it needs, least first (the rule order of the module)."""
-        return (self.stage, self.tp, self.shard_group is not None, self.checkpointing,
+        return (self.offload is not None, self.offload == "params", self.stage, self.tp,
+                self.shard_group is not None, self.checkpointing,
                 self.prefetch, self.blocks_per_unit != 1, self.blocks_per_unit,
                 -self.micro_batch)
 
     def as_dict(self) -> dict:
         return {"strategy": self.strategy, "stage": self.stage, "tp": self.tp,
-                "shard_group": self.shard_group,
+                "shard_group": self.shard_group, "offload": self.offload,
                 "blocks_per_unit": self.blocks_per_unit, "prefetch": self.prefetch,
                 "checkpointing": self.checkpointing, "micro_batch": self.micro_batch,
                 "accumulation": self.accumulation, "memory": self.memory,
@@ -148,22 +156,22 @@ def shard_groups(gpus: int, tp: int, cluster: Cluster) -> list[int]:
 
 
 def _memory(model, recipe, gpus, tp, stage, work, blocks, prefetch, micro_batches=1,
-            shard_group=None) -> int:
+            shard_group=None, offload=None) -> int:
     """The planned peak (``peak.peak``): the loss's backward with its logits' gradients,
     a unit's backward with the root unit's or a block group's transients, the step."""
     return peak(model, recipe, work, gpus, stage, prefetch, blocks, tp, micro_batches,
-                shard_group=shard_group).bytes
+                shard_group=shard_group, offload=offload).bytes
 
 
 def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
            global_batch: int, seq_len: int, flash_attention: bool = False,
            tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM,
-           shard_group: int | str | None = None):
+           shard_group: int | str | None = None, offload: str | None = None):
     """(every fitting candidate, the smallest need per (stage, tp, shard group), the TP
     degrees tried, the hybrid shard groups tried per TP degree). ``shard_group`` given:
     that group only, at the TP degrees whose data-parallel ranks it divides (all the
     ranks: plain only; ``"node"``: a node's data-parallel ranks at each degree); None:
-    plain and :func:`shard_groups`."""
+    plain and :func:`shard_groups`. ``offload``: only the stages that take it, with it."""
     if model.hidden is None or model.layers is None:
         raise ValueError("--recommend needs the model's shape: give --hidden and --layers "
                          "(or a preset)")
@@ -189,17 +197,17 @@ def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cl
         elif fixed < dp:
             groups[k] = [fixed]
         per_rank = global_batch // dp
-        for stage in range(4):
+        for stage in {None: range(4), "optimizer": (1, 2, 3), "params": (3,)}[offload]:
             hybrid = groups.get(k, []) if stage else []
             plain = [None] if fixed is None or fixed == dp else []
             for group in plain + hybrid:
                 found += _fits(model, recipe, gpus, cluster, k, stage, group, per_rank,
-                               seq_len, flash_attention, prefetch, limit, need)
+                               seq_len, flash_attention, prefetch, limit, need, offload)
     return found, need, tps, groups
 
 
 def _fits(model, recipe, gpus, cluster, tp, stage, group, per_rank, seq_len, flash,
-          prefetch, limit, need) -> list[Candidate]:
+          prefetch, limit, need, offload=None) -> list[Candidate]:
     """The candidates of one (tp, stage, shard group): per checkpointing, unit size and
     depth, the largest micro-batch whose peak fits ``limit``; ``need`` keeps the least
     any of them needs."""
@@ -214,15 +222,15 @@ def _fits(model, recipe, gpus, cluster, tp, stage, group, per_rank, seq_len, fla
                     work = Workload(micro * seq_len, seq_len, ckpt, flash)
                     acc = per_rank // micro
                     mem = _memory(model, recipe, gpus, tp, stage, work, blocks, depth, acc,
-                                  group)
+                                  group, offload)
                     key = (stage, tp, group)
                     need[key] = min(need.get(key, mem), mem)
                     if mem <= limit:
-                        sched = Schedule(stage, blocks, depth, acc, tp, group)
+                        sched = Schedule(stage, blocks, depth, acc, tp, group, offload)
                         out.append(Candidate(
                             stage, tp, blocks, depth, ckpt, micro, acc, mem,
                             step_time(model, recipe, work, gpus, cluster, sched), group,
-                            gpus // tp))
+                            gpus // tp, offload))
                         break
     return out
 
@@ -250,35 +258,18 @@ def _runners_up(found: list[Candidate], best: Candidate, count: int) -> tuple:
     return tuple(rows)
 
 
-def _group_name(shard_group: int | str, cluster: Cluster) -> str:
-    if shard_group == "node":
-        return f"a node ({cluster.gpus_per_node} GPUs)"
-    return f"{shard_group} ranks"
-
-
-def _fewest_gpus(model, recipe, limit: int, work: Workload) -> int | None:
-    """The fewest whole 8-GPU nodes (or 1) at which ZeRO-3's planned peak with
-    ``work`` fits ``limit``; the peak never grows with N, so a binary search."""
-    counts = gpu_counts(8)
-    fits = lambda i: peak(model, recipe, work, counts[i], 3).bytes <= limit  # noqa: E731
-    if not fits(len(counts) - 1):
-        return None
-    lo, hi = 0, len(counts) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-    return counts[lo]
-
-
 def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
               global_batch: int, seq_len: int, flash_attention: bool = False,
               tp: int | None = None, prefetch: int | None = None,
               runners_up: int = 5, headroom: float = HEADROOM,
-              shard_group: int | str | None = None) -> Recommendation:
+              shard_group: int | str | None = None,
+              offload: str | None = None, allow_offload: bool = True) -> Recommendation:
     """The recommended configuration for ``global_batch`` sequences of ``seq_len``,
     leaving ``headroom`` (a fraction) of each GPU's memory free; ``shard_group`` fixes
     the hybrid shard group (``"node"``: a node's data-parallel ranks; None: plain and
-    groups of whole nodes are weighed)."""
+    groups of whole nodes are weighed); ``offload`` given: only configurations with it,
+    else (with no fixed group, and ``allow_offload``) with it only when nothing fits
+    without."""
     for name, v in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer")
@@ -286,32 +277,30 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
         raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
     found, need, tps, groups = search(model, recipe, gpus, budget, cluster, global_batch,
                                       seq_len, flash_attention, tp, prefetch, headroom,
-                                      shard_group)
+                                      shard_group, offload)
+    device_need, offload_need = need, {}
+    # offload when nothing fits on the device; a fixed shard group is told that a larger
+    # group (or plain sharding) fits instead
+    fallback = not found and offload is None and shard_group is None and allow_offload
+    for more in ("optimizer", "params") if fallback else ():
+        found, offload_need, tps, groups = search(model, recipe, gpus, budget, cluster,
+                                                  global_batch, seq_len, flash_attention,
+                                                  tp, prefetch, headroom, shard_group, more)
+        if found:  # stage 0 cannot offload: its need stays the device's
+            need = {**device_need, **offload_need}
+            break
     limit = int(budget * (1 - headroom))
     dps = sorted({gpus // k for k in tps}, reverse=True)
     if all(global_batch % d for d in dps):
         raise ValueError(f"global batch of {global_batch} sequences does not divide over "
                          f"{' or '.join(map(str, dps))} data-parallel ranks")
-    if not found and any(groups.values()) and shard_group is not None:
-        least = min((v for (s, _, g), v in need.items() if s == 3 and g), default=0)
-        why = (f"nothing fits {reasons.gb(limit)} per GPU ({headroom:.0%} headroom) in shard "
-               f"groups of {_group_name(shard_group, cluster)}: even ZeRO-3 with "
-               f"checkpointing and one sequence needs {reasons.gb(least)}, and more GPUs do "
-               "not lower it; a larger group does (or no group: plain sharding over every "
-               "rank)")
-        return Recommendation(None, {"none": why}, (), budget, headroom)
     if not found:
-        least = min((v for (s, _, _), v in need.items() if s == 3), default=0)
-        fewest = _fewest_gpus(model, recipe, limit, Workload(seq_len, seq_len, True,
-                                                             flash_attention))
-        why = (f"nothing fits {reasons.gb(limit)} per GPU ({headroom:.0%} headroom) on {gpus} "
-               f"GPUs: even ZeRO-3 with checkpointing and one sequence needs "
-               f"{reasons.gb(least)}; " + (
-                   f"its peak fits from {fewest} GPUs"
-                   if fewest else "no GPU count fits; shorten the sequences")
-               + (" (--headroom sets the share left free)" if headroom else ""))
+        why = reasons.none_reason(model, recipe, gpus, cluster, limit, headroom, need,
+                                  groups, shard_group, seq_len, flash_attention, offload_need)
         return Recommendation(None, {"none": why}, (), budget, headroom)
     best = choose(found)
     why = reasons.reasons(best, found, need, tps, groups, cluster, limit, global_batch,
                           seq_len, headroom)
+    why["offload"] = reasons.offload_reason(best, device_need, limit, model, recipe, gpus,
+                                            cluster, offload)
     return Recommendation(best, why, _runners_up(found, best, runners_up), budget, headroom)

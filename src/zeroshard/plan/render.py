@@ -44,9 +44,13 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
     if k is not None:
         title += f", {hybrid_title(k, gpus // plans[0].tp)}"
     levels = [f"inside {u}", f"across {u}"] if k is not None else []
+    offload = any(p.offload for p in plans)
+    hosted = ["offload", f"host {u}"] if offload else []
+    if offload:
+        title += "; weights, grads, optim and total on the GPU"
     t = Table(title=title, title_justify="left")
-    for col in ("strategy", "weights", "grads", "optim", "activ", f"total {u}", f"comm {u}",
-                *levels, "vs DDP", f"fits {budget / unit:g} {u}"):
+    for col in ("strategy", *hosted, "weights", "grads", "optim", "activ", f"total {u}",
+                f"comm {u}", *levels, "vs DDP", f"fits {budget / unit:g} {u}"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     ddp_comm = plans[0].comm
     for p in plans:
@@ -54,7 +58,9 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
             continue
         ratio = f"{p.comm / ddp_comm:.2f}x" if ddp_comm else "n/a"
         split = [_fmt(p.comm_inside, unit), _fmt(p.comm_across, unit)] if levels else []
-        t.add_row(p.strategy, _fmt(p.weights, unit), _fmt(p.grads, unit), _fmt(p.optimizer, unit),
+        host = [p.offload or "-", _fmt(p.host, unit)] if offload else []
+        t.add_row(p.strategy, *host, _fmt(p.weights, unit), _fmt(p.grads, unit),
+                  _fmt(p.optimizer, unit),
                   _fmt(p.activations, unit, 3), _fmt(p.total, unit), _fmt(p.comm, unit),
                   *split, ratio, "yes" if p.fits else "no")
     _console().print(t)
@@ -63,6 +69,18 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
     if plans[0].tp > 1:
         line(f"TP all-reduces: {_fmt(plans[0].tp_comm, unit)} {u} per GPU per micro-batch "
              "(beside the comm column)")
+
+
+def offload_lines(plans, moved, shown, gpus_per_node, unit, gib) -> None:
+    """Offload: per strategy, host memory per GPU and per node, and PCIe bytes a step."""
+    u = "GiB" if gib else "GB"
+    parts = [f"{p.strategy} {p.host / unit:.2f} {u} per GPU, "
+             f"{p.host * gpus_per_node / unit:.2f} per node, {m['down'] / unit:.2f} down "
+             f"and {m['up'] / unit:.2f} up" for p, m in zip(plans, moved)
+             if p.strategy in shown and p.offload]
+    if parts:
+        line(f"host memory and PCIe bytes per step (nodes of {gpus_per_node} GPUs, "
+             "--gpus-per-node): " + "; ".join(parts))
 
 
 def hybrid_title(k: int, dp: int) -> str:
@@ -141,13 +159,15 @@ def time_table(times, plans, shown, args) -> None:
                      f"{args.gpus_per_node} per node){group}, {args.blocks_per_unit} block(s) "
                      f"per unit, prefetch {prefetch}"), title_justify="left")
     across = ["across s"] if k is not None else []
+    pcie = ["PCIe s"] if any(st.pcie for st in times) else []
     for col in ("strategy", "step s", "compute s", "TP s", "optimizer s", "copies s",
-                "comm s", *across, "exposed s", "tokens/s/GPU", "fits"):
+                *pcie, "comm s", *across, "exposed s", "tokens/s/GPU", "fits"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for st, p in zip(times, plans):
         if st.strategy in shown:
             t.add_row(st.strategy, f"{st.step:.3f}", f"{st.compute:.3f}", f"{st.tp_comm:.3f}",
-                      f"{st.optimizer:.4f}", f"{st.copies:.4f}", f"{st.comm:.3f}",
+                      f"{st.optimizer:.4f}", f"{st.copies:.4f}",
+                      *([f"{st.pcie:.3f}"] if pcie else []), f"{st.comm:.3f}",
                       *([f"{st.across:.3f}"] if across else []), f"{st.exposed:.3f}",
                       f"{st.tokens_per_gpu:,.0f}", "yes" if p.fits else "no")
     _console().print(t)
@@ -178,7 +198,8 @@ def recommendation(model, recipe, args, rec, unit, gib) -> None:
               "unit size": f"{b.blocks_per_unit} block(s)",
               "prefetch": str(b.prefetch) if b.stage == 3 else "-",
               "checkpointing": "on" if b.checkpointing else "off",
-              "micro-batch": f"{b.micro_batch} x {b.accumulation} steps"}
+              "micro-batch": f"{b.micro_batch} x {b.accumulation} steps",
+              "offload": b.offload or "none"}
     t = Table(title=f"recommended: {head}", title_justify="left", show_lines=True)
     for col in ("choice", "value", "why"):
         t.add_column(col)

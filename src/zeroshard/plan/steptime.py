@@ -44,6 +44,15 @@ issues that all-reduce when it waits for the reduction, and waits for it at once
 (``runtime/collectives.py``, ``_across``): it is on the compute stream, never hidden,
 and the two levels are separate channels.
 
+**Offload** (``Schedule.offload``; ``plan/offload.py``): every landing copies the reduced
+slot down to the host in the master dtype, and with ``params`` every gather first copies
+the rank's shard up, on the compute stream where the engine makes them (``Tensor.to``
+with ``non_blocking``: ordered on the stream, never hidden), at the host link's rate
+(:class:`~zeroshard.plan.hardware.Host`); the optimizer step runs on the host at the
+node's host memory bandwidth shared by its GPUs, then the updated shard goes up (stages
+1-2 as each all-gather's input, stage 3 into the device shard; with ``params`` it stays
+on the host). ``StepTime.pcie`` is those copies' seconds.
+
 On a network marked ``overlap=False`` (gloo on a CPU, whose transfers take the cores
 that compute) nothing hides: compute + TP + optimizer + copies + every collective.
 
@@ -60,7 +69,9 @@ from .arch import ModelSpec
 from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
 from .hardware import Cluster, Link
 from .memory import STRATEGIES, Workload, dp_degree, shard_degree
+from .offload import check_offload, host_step_bytes, master_bytes, offload_at
 from .recipes import Recipe
+from .simulate import _land, _Link, _pass, _sync
 
 #: Micro-batches simulated before the steady-state increment is repeated.
 SIMULATED = 3
@@ -101,8 +112,11 @@ class Schedule:
     shard_group: int | None = None
     """Hybrid sharding: the stage shards over groups of K data-parallel ranks and
     replicates across the groups (None: over all of them)."""
+    offload: str | None = None
+    """``"optimizer"`` (stages 1-3) or ``"params"`` (stage 3): the engine's offload."""
 
     def __post_init__(self) -> None:
+        check_offload(self.offload, self.stage)
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; expected 0-3")
         for name, least in (("blocks_per_unit", 1), ("prefetch", 0), ("micro_batches", 1),
@@ -142,73 +156,14 @@ class StepTime:
     across: float = 0.0
     """Of ``comm``, seconds of the replicas' all-reduces across shard groups (hybrid
     sharding; on the compute path: the engine waits for each as it lands a reduction)."""
+    pcie: float = 0.0
+    """Offload: seconds of copies between the device and the host on the compute stream
+    (gradients down, weights up); ``optimizer`` is then the host step."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("strategy", "step", "compute", "tp_comm",
                                               "optimizer", "copies", "comm", "exposed",
-                                              "tokens_per_gpu", "across")}
-
-
-class _Link:
-    """One serial channel: collectives run one after another in issue order."""
-
-    def __init__(self) -> None:
-        self.free = 0.0
-
-    def run(self, issued: float, seconds: float) -> float:
-        self.free = max(issued, self.free) + seconds
-        return self.free
-
-
-def _land(t: float, flying: list[tuple[float, float]]) -> float:
-    """Wait for the reductions in flight, oldest first, landing each (its copy seconds,
-    and with hybrid sharding its all-reduce across replicas, on the compute stream) as
-    ``wait_reduce`` does; returns the compute clock."""
-    for done, land in flying:
-        t = max(t, done) + land
-    flying.clear()
-    return t
-
-
-def _pass(t: float, link: _Link, units: int, compute: float, gather: float | None,
-          prefetch: int, reduce: float | None, flying: list[tuple[float, float]],
-          bounded: bool = True, unpack: float = 0.0, pack: float = 0.0,
-          land: float = 0.0) -> float:
-    """One forward (``reduce`` None) or backward pass over ``units`` units; returns the
-    compute clock at its end. ``gather`` None: the weights are already whole;
-    ``bounded``: at most two reductions in flight; ``unpack``, ``pack``, ``land``: copy
-    seconds of a gather, before a reduction is issued, after it is waited."""
-    landed: dict[int, float] = {}
-    for k in range(units):
-        if gather is not None:
-            if k not in landed:  # gathered on use
-                landed[k] = link.run(t, gather)
-            t = max(t, landed[k]) + unpack  # Unit.gather: wait, then unpack_into
-            for j in range(k + 1, min(units, k + 1 + prefetch)):
-                if j not in landed:  # prefetched once this unit's gather has landed
-                    landed[j] = link.run(t, gather)
-        t += compute
-        if reduce is not None:
-            t += pack  # issue_reduce packs the buffer, then issues
-            flying.append((link.run(t, reduce), land))
-            if bounded and len(flying) > 2:  # a third in flight: the oldest lands first
-                t = _land(t, [flying.pop(0)])
-    return t
-
-
-def _sync(t: float, link: _Link, units: int, gather: float, make: float,
-          unpack: float) -> float:
-    """Stages 1-2 after the step (``ShardedModel.after_step``): per unit its input is
-    made (``make`` seconds) and its all-gather issued, then the previous unit's is waited
-    and unpacked; the next forward waits for and unpacks the last."""
-    prev = None
-    for _ in range(units):
-        t += make
-        done = link.run(t, gather)
-        if prev is not None:
-            t = max(t, prev) + unpack
-        prev = done
-    return max(t, prev) + unpack
+                                              "tokens_per_gpu", "across", "pcie")}
 
 
 def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
@@ -238,7 +193,14 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     link = cluster.link(dp * tp)  # the shard group's K·tp consecutive GPUs
     unit_params = model.params / tp / units
     gloo = cluster.network.gloo
-    cost = copy_bytes(recipe, stage, unit_params, dp, gloo)  # at the memory rate, on compute
+    off = schedule.offload
+    cost = copy_bytes(recipe, stage, unit_params, dp, gloo, off)  # memory rate, on compute
+    # offload: a unit's owned slot over the host link (plan/offload.py), per copy
+    pcie_bw = cluster.host_side.pcie.bandwidth
+    down = unit_params / dp * master_bytes(recipe, off) / pcie_bw if off else 0.0
+    shard_up = unit_params / dp * recipe.weight_bytes / pcie_bw if off else 0.0
+    upload = shard_up if off == "params" else 0.0  # before every gather
+    back = shard_up if off == "optimizer" else 0.0  # after the host step
     gather = ring_time("all_gather", unit_params * recipe.weight_bytes, dp, link)
     reduce = ring_time("all_reduce" if stage == 0 or gloo else "reduce_scatter",
                        unit_params * recipe.reduce_bytes, dp, link)
@@ -255,9 +217,9 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     t, flying, ends = 0.0, [], []
     unpack, pack = cost.gather / bw, cost.pack / bw
     for i in range(min(schedule.micro_batches, SIMULATED)):
-        t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack)
+        t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack, upload=upload)
         t = _pass(t, line, units, b_unit, g, pf, reduce, flying, bounded, unpack, pack,
-                  (cost.land if i == 0 else cost.land_more) / bw + across)
+                  (cost.land if i == 0 else cost.land_more) / bw + across + down, upload)
         t = _land(t, flying)  # a backward ends once its reductions landed: shards hold .grad
         ends.append(t)
     extra = schedule.micro_batches - len(ends)
@@ -265,30 +227,38 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     t += shift
 
     owned = model.params / tp / (dp if stage >= 1 else 1)
-    streamed = 2 * (recipe.optimizer_bytes + recipe.weight_bytes) + recipe.grad_bytes
-    optimizer = owned * streamed / bw
+    if off:  # the host step, the node's host memory shared by its GPUs
+        optimizer = owned * host_step_bytes(recipe, off) / cluster.host_bandwidth()
+    else:
+        streamed = 2 * (recipe.optimizer_bytes + recipe.weight_bytes) + recipe.grad_bytes
+        optimizer = owned * streamed / bw
     t += optimizer + units * cost.step / bw  # gradient casts before, master casts after
     post = units * gather if stage in (1, 2) else 0.0
-    if stage in (1, 2):
-        t = _sync(t, line, units, gather, cost.sync_input / bw, cost.sync_unpack / bw)
-
+    if stage in (1, 2):  # offloaded, each all-gather's input comes up from the host
+        t = _sync(t, line, units, gather, cost.sync_input / bw + back, cost.sync_unpack / bw)
+    elif stage == 3:
+        t += units * back  # the updated shards up into the device's weight shards
     a = schedule.micro_batches
     compute = a * (1 + 2 + recompute) * fwd
     tp_comm = a * model.layers * (4 + 2 * recompute) * tp_ar
     copies = cost.per_step(units, a) / bw
     per_pass = units * (gather if stage == 3 else 0.0)
     comm = a * (2 * per_pass + units * (reduce + across)) + post
+    pcie = units * (a * (down + 2 * upload) + back)
     if not cluster.network.overlap:
-        t = compute + tp_comm + optimizer + copies + comm
+        t = compute + tp_comm + optimizer + copies + comm + pcie
     return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, copies, comm,
-                    max(0.0, t - compute - tp_comm - optimizer - copies),
-                    work.tokens * a / tp / t, a * units * across)
+                    max(0.0, t - compute - tp_comm - optimizer - copies - pcie),
+                    work.tokens * a / tp / t, a * units * across, pcie)
 
 
 def step_times(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
                blocks_per_unit: int = 1, prefetch: int = 1, micro_batches: int = 1,
-               tp: int = 1, shard_group: int | None = None) -> list[StepTime]:
-    """One :class:`StepTime` per strategy, DDP first."""
+               tp: int = 1, shard_group: int | None = None,
+               offload: str | None = None) -> list[StepTime]:
+    """One :class:`StepTime` per strategy, DDP first; ``offload`` as far as each
+    strategy takes it (``offload.offload_at``)."""
     return [step_time(model, recipe, work, gpus, cluster,
-                      Schedule(s, blocks_per_unit, prefetch, micro_batches, tp, shard_group))
+                      Schedule(s, blocks_per_unit, prefetch, micro_batches, tp, shard_group,
+                               offload_at(s, offload)))
             for s in range(4)]

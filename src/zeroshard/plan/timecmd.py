@@ -12,10 +12,13 @@ import argparse
 from .hardware import (
     ACCELERATORS,
     DEFAULT_ACCELERATOR,
+    DEFAULT_HOST,
     DEFAULT_NETWORK,
+    HOSTS,
     NETWORKS,
     Cluster,
     get_accelerator,
+    get_host,
     get_network,
 )
 from .memory import Workload, dp_degree
@@ -43,7 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"intra-/inter-node links: one of {', '.join(NETWORKS)} "
                         f"(default {DEFAULT_NETWORK})")
     t.add_argument("--gpus-per-node", type=int, default=8,
-                   help="GPUs sharing the intra-node link (default 8)")
+                   help="GPUs sharing the intra-node link and a node's host memory (default 8)")
+    t.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"with --offload: each GPU's PCIe link to host memory and the node's "
+                        f"host memory bandwidth, one of {', '.join(HOSTS)} (default "
+                        f"{DEFAULT_HOST}: PCIe 5.0 x16 at 55 GB/s, 460 GB/s of DDR5)")
+    t.add_argument("--host-bandwidth", type=float, metavar="GB/S",
+                   help="with --offload: the node's host memory bandwidth in GB/s, shared by "
+                        "its GPUs' optimizer steps (default: the --host preset's)")
     t.add_argument("--global-batch", type=int, metavar="SEQUENCES",
                    help="sequences per optimizer step over all GPUs, each of --seq-len tokens "
                         "(default --tokens); with --time it sets the accumulation steps, "
@@ -71,6 +81,8 @@ def check(args) -> None:
         raise ValueError(f"--prefetch={args.prefetch} must be 0 or more")
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom={args.headroom} must be a fraction in [0, 1)")
+    if args.host_bandwidth is not None and args.host_bandwidth <= 0:
+        raise ValueError(f"--host-bandwidth={args.host_bandwidth} must be positive")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency={args.efficiency} must be in (0, 1]")
     if args.time and args.recommend:
@@ -114,8 +126,9 @@ def shard_group(args, per_tp: bool = False) -> int | str | None:
 
 
 def cluster(args) -> Cluster:
+    bw = None if args.host_bandwidth is None else args.host_bandwidth * 1e9
     return Cluster(get_accelerator(args.accelerator, args.efficiency),
-                   get_network(args.network), args.gpus_per_node)
+                   get_network(args.network), args.gpus_per_node, get_host(args.host, bw))
 
 
 def accumulation(args, work: Workload, tp: int) -> int:
@@ -137,7 +150,7 @@ def run_time(args, model, recipe, work) -> list:
     tp = args.tp or 1
     return step_times(model, recipe, work, args.gpus, cluster(args), args.blocks_per_unit,
                       1 if args.prefetch is None else args.prefetch,
-                      accumulation(args, work, tp), tp, shard_group(args))
+                      accumulation(args, work, tp), tp, shard_group(args), args.offload)
 
 
 def run_recommend(args, model, recipe, budget):
@@ -145,4 +158,4 @@ def run_recommend(args, model, recipe, budget):
     return recommend(model, recipe, args.gpus, budget, cluster(args),
                      args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
                      args.tp, args.prefetch, headroom=args.headroom,
-                     shard_group=shard_group(args, per_tp=True))
+                     shard_group=shard_group(args, per_tp=True), offload=args.offload)

@@ -50,6 +50,10 @@ const Readout = (() => {
     el.textContent = fit == null
       ? Planner.whyNoneFits(s.model, s.recipe, s.gpus, s.budget, s.work, s.shardGroup)
       : `first fit on ${s.gpus} GPUs: ${fit}`;
+    const offer = fit == null ? Planner.offloadOffer(s.model, s.recipe, s.gpus, s.budget,
+      s.work, s.shardGroup, s.unit, s.unitName) : null;
+    $("offload-offer").textContent = offer ?? "";
+    $("offload-offer").hidden = offer == null;
     const p = plans.find((x) => x.strategy === fit);
     if (p) {
       const ratio = Format.ratio(p.comm, plans[0].comm);

@@ -1,0 +1,183 @@
+"""Offload in the planner: where each byte lives (device or host), what crosses PCIe.
+
+The engine's ``zs.shard(..., offload="optimizer")`` (stages 1-3) keeps the fp32 master
+and the optimizer state in host memory (pinned under CUDA), with a host master even when
+the recipe has none (fp32: the compute weights stay on the device, the step updates a
+host copy). ``offload="params"`` (stage 3) keeps the weight shards there too. Bytes per
+GPU at the optimizer step, n = P / (tp·K) owned elements (K the ranks the stage shards
+over), w, g, m the compute, gradient and master bytes (m = 4 when offloaded without a
+master in the recipe), S the optimizer states' bytes per element:
+
+| category | without offload (device) | ``optimizer`` | ``params`` (stage 3) |
+|---|---|---|---|
+| weights | the stage's | device, the stage's | host, ``w·n`` |
+| grads | the stage's | device, the stage's | device |
+| optimizer | the recipe's | host, ``(m + S)·n`` | host |
+| buffers | see below | see below | see below |
+
+``buffers`` are stage 1's reduced slot ``g·n``, always on the device, and the fp32 copy
+of the owned gradients ``m·n`` for the step: on the device when g ≠ m without offload,
+on the host always when offloaded (``runtime/unitview.py``: ``memory`` and
+``host_bytes``; the engine's ``grad_shard``, ``step_grads`` and ``host_grads``). A
+node's host memory must hold its GPUs' host bytes: ``host × gpus_per_node``.
+
+**PCIe per step** (per GPU, one direction each; ``runtime/unit.py``): every synchronised
+backward copies each reduced slot to the host as it lands, in the master dtype (cast on
+the device first: CUDA converts before it copies across), ``A·m·n`` down for A
+micro-batches; after the host step the updated shard goes back cast to the compute dtype
+on the host first, ``w·n`` up (stages 1-2 as the all-gather's input, stage 3 into the
+device's weight shard). With ``params`` every gather first copies the rank's shard up,
+two gathers per micro-batch, ``2·A·w·n``, and the step's cast stays on the host.
+
+**The host step** streams, per owned element, the master and the moments read and
+written and the fp32 gradient read, and writes the cast compute copy when its dtype
+differs: ``2·(m + S) + m + [w ≠ m]·w`` bytes, 28 in fp32 and 30 under bf16 AdamW
+(docs/offload.md: torch's fused CPU AdamW, bandwidth-bound). Disk offload
+(``offload_dir``) is not in the engine yet, so the planner has no ``--offload-dir``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .comm import shard_degree
+from .memory import model_state_bytes
+from .recipes import DTYPE_BYTES, Recipe
+
+#: What ``--offload`` accepts (the engine's ``ZeroConfig.offload``).
+OFFLOADS = ("optimizer", "params")
+#: The master's bytes when the recipe has none: the engine keeps an fp32 host copy.
+HOST_MASTER_BYTES = DTYPE_BYTES["fp32"]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_offload(offload: str | None, stage: int | None = None) -> None:
+    """A ValueError naming a bad ``offload`` (or one ``stage`` cannot take), in the
+    engine's words."""
+    if offload is None:
+        return
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload={offload!r}; expected None, 'optimizer' or 'params'")
+    if stage == 0:
+        raise ValueError(f"offload={offload!r} moves the sharded optimizer state to the "
+                         "host; stage 0 shards nothing: use stage 1-3")
+    if offload == "params" and stage is not None and stage < 3:
+        raise ValueError("offload='params' keeps the weight shards on the host, which only "
+                         "stage 3 has")
+
+
+def offload_at(stage: int, offload: str | None) -> str | None:
+    """The most of ``offload`` that ``stage`` can take: none at stage 0, the optimizer's
+    below stage 3 (the plan table shows each strategy so)."""
+    check_offload(offload)
+    if offload is None or stage == 0:
+        return None
+    return offload if stage == 3 else "optimizer"
+
+
+def master_bytes(recipe: Recipe, offload: str | None) -> int:
+    """Bytes per element of the master: the recipe's, or 4 offloaded without one."""
+    m = recipe.master_bytes
+    return m or (HOST_MASTER_BYTES if offload else 0)
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """Bytes per GPU at one placement, by the engine's ledger categories."""
+
+    weights: int = 0
+    """Compute weights (the ledger's ``params``)."""
+    grads: int = 0
+    """Stored gradients."""
+    optimizer: int = 0
+    """Master and optimizer state."""
+    buffers: int = 0
+    """The step's gradient buffers: stage 1's reduced slot, the fp32 copies."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.buffers
+
+    def as_dict(self) -> dict:
+        return {"weights": self.weights, "grads": self.grads, "optimizer": self.optimizer,
+                "buffers": self.buffers, "total": self.total}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one GPU's training state lives at the optimizer step."""
+
+    offload: str | None
+    """None, ``"optimizer"`` or ``"params"``."""
+    device: Bytes
+    """On the GPU."""
+    host: Bytes
+    """In host memory (pinned under CUDA)."""
+
+    def host_per_node(self, gpus_per_node: int) -> int:
+        """Host memory a node must hold for its ``gpus_per_node`` GPUs' state."""
+        return self.host.total * gpus_per_node
+
+    def as_dict(self, gpus_per_node: int | None = None) -> dict:
+        out = {"offload": self.offload, "device": self.device.as_dict(),
+               "host": self.host.as_dict()}
+        if gpus_per_node is not None:
+            out["host_per_node"] = self.host_per_node(gpus_per_node)
+        return out
+
+
+def owned(params: int, gpus: int, stage: int, tp: int = 1,
+          shard_group: int | None = None) -> int:
+    """Elements whose optimizer state this GPU holds: P/tp at stage 0, over K above."""
+    k = shard_degree(gpus, tp, shard_group) if stage else 1
+    return _ceil_div(_ceil_div(params, tp), k)
+
+
+def placed_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
+                 offload: str | None = None, tp: int = 1,
+                 shard_group: int | None = None) -> Placement:
+    """Bytes per GPU per category and placement at the optimizer step, as the engine's
+    ``memory(by_placement=True)`` reports them in a step pre-hook (every slot unpadded)."""
+    check_offload(offload, stage)
+    weights, grads, optimizer = model_state_bytes(params, gpus, recipe, stage, tp, shard_group)
+    n = owned(params, gpus, stage, tp, shard_group)
+    m = master_bytes(recipe, offload)
+    slot = n * recipe.grad_bytes if stage == 1 else 0  # kept beside the full gradients
+    copy = n * m if offload or (m and recipe.master_dtype != recipe.grad_dtype) else 0
+    if offload is None:
+        return Placement(None, Bytes(weights, grads, optimizer, slot + copy), Bytes())
+    states = recipe.optimizer_bytes - recipe.master_bytes
+    host_opt = _ceil_div(_ceil_div(params * (m + states), tp),
+                         shard_degree(gpus, tp, shard_group))
+    on_host = offload == "params"
+    return Placement(offload,
+                     Bytes(0 if on_host else weights, grads, 0, slot),
+                     Bytes(weights if on_host else 0, 0, host_opt, copy))
+
+
+def pcie_bytes(params: int, gpus: int, recipe: Recipe, stage: int, offload: str | None,
+               tp: int = 1, shard_group: int | None = None,
+               micro_batches: int = 1) -> dict[str, int]:
+    """Bytes one GPU moves over its host link per step: ``down`` (device to host, the
+    reduced gradient slots in the master dtype, once per micro-batch) and ``up`` (host to
+    device: the updated shard in the compute dtype, or with ``params`` the shard of every
+    gather, two per micro-batch)."""
+    check_offload(offload, stage)
+    if offload is None:
+        return {"down": 0, "up": 0}
+    n = owned(params, gpus, stage, tp, shard_group)
+    w = recipe.weight_bytes
+    up = 2 * micro_batches * n * w if offload == "params" else n * w
+    return {"down": micro_batches * n * master_bytes(recipe, offload), "up": up}
+
+
+def host_step_bytes(recipe: Recipe, offload: str | None) -> int:
+    """Bytes per owned element the host step streams: master and moments read and
+    written, the fp32 gradient read, the compute copy written when it is cast."""
+    m = master_bytes(recipe, offload)
+    states = recipe.optimizer_bytes - recipe.master_bytes
+    cast = recipe.weight_bytes if recipe.weight_bytes != m else 0
+    return 2 * (m + states) + m + cast

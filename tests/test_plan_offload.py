@@ -1,0 +1,231 @@
+"""The planner's offload (``plan/offload.py``) against the engine's ledger by placement.
+
+``ENGINE`` is what ``model.memory(optimizer, by_placement=True)`` reported in a step
+pre-hook at the second step on each of N = 2 gloo ranks (``engine_cases``' MLP, units by
+block, AdamW; every slot unpadded, both ranks alike), for stages 1-3 with and without
+``offload="optimizer"`` and at stage 3 with ``offload="params"``, fp32 and bf16. The
+unit tests replay it against ``placed_bytes``; ``test_engine_still_records_these``
+spawns the engine and checks the record is still what it measures.
+"""
+
+import json
+
+import pytest
+
+from zeroshard.plan import get_recipe
+from zeroshard.plan.offload import (
+    check_offload,
+    host_step_bytes,
+    offload_at,
+    pcie_bytes,
+    placed_bytes,
+)
+
+N, P = 2, 650
+RECIPES = {None: get_recipe("fp32-adamw"), "bf16": get_recipe("bf16-mixed-adamw")}
+#: (precision, stage, offload) -> {"device": {...}, "host": {...}}, zero categories left out
+ENGINE = {
+    (None, 1, None): ({"params": 2600, "grads": 2600, "optimizer": 2600, "buffers": 1300}, {}),
+    (None, 1, "optimizer"): ({"params": 2600, "grads": 2600, "buffers": 1300},
+                             {"optimizer": 3900, "buffers": 1300}),
+    (None, 2, None): ({"params": 2600, "grads": 1300, "optimizer": 2600}, {}),
+    (None, 2, "optimizer"): ({"params": 2600, "grads": 1300},
+                             {"optimizer": 3900, "buffers": 1300}),
+    (None, 3, None): ({"params": 1300, "grads": 1300, "optimizer": 2600}, {}),
+    (None, 3, "optimizer"): ({"params": 1300, "grads": 1300},
+                             {"optimizer": 3900, "buffers": 1300}),
+    (None, 3, "params"): ({"grads": 1300},
+                          {"params": 1300, "optimizer": 3900, "buffers": 1300}),
+    ("bf16", 1, None): ({"params": 1300, "grads": 1300, "optimizer": 3900, "buffers": 1950},
+                        {}),
+    ("bf16", 1, "optimizer"): ({"params": 1300, "grads": 1300, "buffers": 650},
+                               {"optimizer": 3900, "buffers": 1300}),
+    ("bf16", 2, None): ({"params": 1300, "grads": 650, "optimizer": 3900, "buffers": 1300}, {}),
+    ("bf16", 2, "optimizer"): ({"params": 1300, "grads": 650},
+                               {"optimizer": 3900, "buffers": 1300}),
+    ("bf16", 3, None): ({"params": 650, "grads": 650, "optimizer": 3900, "buffers": 1300}, {}),
+    ("bf16", 3, "optimizer"): ({"params": 650, "grads": 650},
+                               {"optimizer": 3900, "buffers": 1300}),
+    ("bf16", 3, "params"): ({"grads": 650},
+                            {"params": 650, "optimizer": 3900, "buffers": 1300}),
+}
+
+
+def planned(precision, stage, offload) -> tuple[dict, dict]:
+    """``placed_bytes`` in the ledger's names, zero categories left out."""
+    placed = placed_bytes(P, N, RECIPES[precision], stage, offload)
+
+    def named(b):
+        out = {"params": b.weights, "grads": b.grads, "optimizer": b.optimizer,
+               "buffers": b.buffers}
+        return {k: v for k, v in out.items() if v}
+
+    return named(placed.device), named(placed.host)
+
+
+@pytest.mark.parametrize("case", list(ENGINE), ids=str)
+def test_placement_is_the_engines(case):
+    assert planned(*case) == ENGINE[case]
+
+
+def test_offload_changes_where_not_how_much_on_the_device():
+    """Offloaded, the device keeps the weights (not with params) and the gradients it
+    kept; the host holds a master even in fp32 (4 + 8 bytes an element) and the fp32
+    gradient copy."""
+    for (precision, stage, offload), (device, host) in ENGINE.items():
+        if offload is None:
+            continue
+        plain = ENGINE[(precision, stage, None)][0]
+        assert device["grads"] == plain["grads"]
+        assert host["optimizer"] == 12 * P // N
+        assert host["buffers"] == 4 * P // N
+
+
+def _grid():
+    import torch
+
+    import zeroshard as zs
+
+    from . import engine_cases as cases
+
+    out = {}
+    for precision, stage, offload in ENGINE:
+        net = zs.shard(cases.build("mlp"), stage=stage, mixed_precision=precision,
+                       offload=offload, units="blocks")
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        for step in range(2):
+            net(*cases.batch("mlp", step)).backward()
+            seen = []
+            hook = opt.register_step_pre_hook(
+                lambda o, a, kw, seen=seen, net=net: seen.append(net.memory(o, True)))
+            opt.step()
+            hook.remove()
+            opt.zero_grad()
+        out[(precision, stage, offload)] = tuple(
+            {c: b for c, b in seen[0][where].items() if b} for where in ("device", "host"))
+    return out
+
+
+@pytest.mark.dist
+def test_engine_still_records_these():
+    from zeroshard.runtime.spawn import spawn
+
+    for rank in spawn(_grid, N, timeout=300):
+        assert rank == ENGINE
+
+
+def test_pcie_and_host_step_by_hand():
+    """Llama-2-70B's count on 8 GPUs, bf16 (w = 2, m = 4), 4 micro-batches."""
+    p, bf16 = 68_976_648_192, RECIPES["bf16"]
+    n = p // 8
+    assert pcie_bytes(p, 8, bf16, 3, "optimizer", micro_batches=4) == {"down": 4 * 4 * n,
+                                                                       "up": 2 * n}
+    assert pcie_bytes(p, 8, bf16, 3, "params", micro_batches=4) == {"down": 4 * 4 * n,
+                                                                    "up": 2 * 4 * 2 * n}
+    assert pcie_bytes(p, 8, bf16, 2, None) == {"down": 0, "up": 0}
+    assert host_step_bytes(bf16, "optimizer") == 30  # docs/offload.md: 28 + the bf16 cast
+    assert host_step_bytes(RECIPES[None], "optimizer") == 28
+    assert placed_bytes(p, 8, bf16, 3, "optimizer").host_per_node(8) == 8 * 16 * n
+
+
+@pytest.mark.parametrize("offload,stage,message", [
+    ("optimizer", 0, "stage 0 shards nothing: use stage 1-3"),
+    ("params", 2, "offload='params' keeps the weight shards on the host, which only "
+                  "stage 3 has"),
+    ("nvme", 3, "offload='nvme'; expected None, 'optimizer' or 'params'"),
+])
+def test_bad_offload_in_the_engines_words(offload, stage, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        check_offload(offload, stage)
+
+
+def test_each_strategy_takes_what_it_can():
+    assert [offload_at(s, "params") for s in range(4)] == [None, "optimizer", "optimizer",
+                                                           "params"]
+    assert [offload_at(s, None) for s in range(4)] == [None] * 4
+
+
+def _plan(capsys, *argv):
+    from zeroshard.cli import main
+
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_cli_json_by_placement(capsys):
+    out = json.loads(_plan(capsys, "--params", "1000", "--gpus", "2", "--precision",
+                           "fp32-adamw", "--offload", "optimizer", "--gpus-per-node", "4",
+                           "--json"))
+    z1 = out["strategies"][1]
+    assert z1["offload"] == "optimizer" and z1["optimizer"] == 0
+    assert z1["placement"]["host"] == {"weights": 0, "grads": 0, "optimizer": 6000,
+                                       "buffers": 2000, "total": 8000}
+    assert z1["host"] == 8000 and z1["host_per_node"] == 4 * 8000
+    assert z1["pcie"] == {"down": 2000, "up": 2000}
+    assert out["strategies"][0]["offload"] is None
+
+
+def test_no_offload_dir_yet(capsys):
+    from zeroshard.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--offload-dir", "/tmp"])
+    assert "--offload-dir" in capsys.readouterr().err
+
+
+def test_step_time_charges_pcie_and_the_host_step():
+    """Nothing overlaps on the loopback preset, so the step is the sum of its parts: the
+    PCIe copies (A·m·n down per step, w·n up at stage 3) and the host step (30 bytes an
+    owned element at the node's host bandwidth over its GPUs) are in it."""
+    from zeroshard.plan import (
+        Cluster,
+        ModelSpec,
+        Schedule,
+        Workload,
+        get_accelerator,
+        get_network,
+        get_preset,
+        step_time,
+    )
+    from zeroshard.plan.hardware import get_host
+
+    model = ModelSpec.from_arch(get_preset("llama2-7b"))
+    host = get_host("pcie5", 400e9)
+    cluster = Cluster(get_accelerator("h100"), get_network("loopback"), 4, host)
+    work, bf16 = Workload(4096, 4096), RECIPES["bf16"]
+    plain = step_time(model, bf16, work, 8, cluster, Schedule(3, micro_batches=2))
+    off = step_time(model, bf16, work, 8, cluster, Schedule(3, micro_batches=2,
+                                                            offload="optimizer"))
+    n = model.params / 8
+    assert off.pcie == pytest.approx((2 * 4 * n + 2 * n) / 55e9)
+    assert off.optimizer == pytest.approx(n * 30 / (400e9 / 4))
+    assert off.step == pytest.approx(off.compute + off.tp_comm + off.optimizer + off.copies
+                                     + off.comm + off.pcie)
+    assert plain.pcie == 0 and off.compute == plain.compute and off.comm == plain.comm
+    params = step_time(model, bf16, work, 8, cluster, Schedule(3, micro_batches=2,
+                                                               offload="params"))
+    assert params.pcie == pytest.approx((2 * 4 * n + 2 * 2 * 2 * n) / 55e9)
+
+
+def test_recommend_offers_offload_only_when_nothing_else_fits():
+    from zeroshard.plan import (
+        Cluster,
+        ModelSpec,
+        get_accelerator,
+        get_network,
+        get_preset,
+        recommend,
+    )
+
+    cluster = Cluster(get_accelerator("h100"), get_network("nvlink4-ndr"))
+    big = recommend(ModelSpec.from_arch(get_preset("llama2-70b")), RECIPES["bf16"], 8,
+                    80 * 10**9, cluster, 64, 2048)
+    assert big.best.offload == "optimizer" and big.best.stage == 3
+    why = big.reasons["offload"]
+    assert why.startswith("optimizer: nothing fits 72.00 GB on the device without it")
+    assert f"{big.best.time.pcie:.3f} s on the compute path" in why
+    assert f"host step takes {big.best.time.optimizer:.3f} s" in why
+    assert "DDP does not fit (needs 206.93 GB" in big.reasons["stage"]  # TP 8, on the device
+    small = recommend(ModelSpec.from_arch(get_preset("llama2-7b")), RECIPES["bf16"], 8,
+                      80 * 10**9, cluster, 64, 2048)
+    assert small.best.offload is None and small.reasons["offload"].startswith("none")
