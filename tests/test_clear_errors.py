@@ -196,3 +196,29 @@ def test_the_trainer_says_what_it_loaded_saved_removed_and_resumed(ckpt, tmp_pat
     out = " ".join(capfd.readouterr().out.split())
     assert "(34,688 params), 1 process, ZeRO stage 3" in out
     assert f"resumed from {runs / 'step-000003'} (step 3)" in out
+
+
+@pytest.mark.dist
+def test_ctrl_c_is_one_line(tmp_path):
+    """SIGINT to the whole process group, as a terminal sends it: the launcher stops the
+    ranks and says so once (it was every rank's KeyboardInterrupt and the agent's trace)."""
+    import signal
+
+    run = subprocess.Popen([sys.executable, "-m", "zeroshard", "train", "--nproc", "2",
+                            "--model", "tiny", "--steps", "100000", "--batch", "4",
+                            "--sample-chars", "0", "--save-dir", str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        for line in run.stdout:  # the ranks are training once rank 0 has evaluated
+            if "val loss" in line:
+                break
+        os.killpg(run.pid, signal.SIGINT)
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 130, err
+    assert err.splitlines() == ["zeroshard train: stopped by SIGINT; checkpoints saved "
+                                "before it are complete"], err
+    assert not (tmp_path / savedir.LOCK).exists()  # the save folder is free again
