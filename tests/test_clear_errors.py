@@ -121,6 +121,9 @@ def test_the_planned_traffic_counts_every_micro_batch():
     assert planned_comm(p, 2, r, 0, 2) == 2 * comm_bytes(p, 2, r, 0)
     # stages 1-2: each backward reduce-scatters; the weights are gathered once, after the step
     assert planned_comm(p, 2, r, 1, 3) == comm_bytes(p, 2, r, 1) + 2 * 2_000_000
+    # hybrid, 4 ranks in groups of 2: per micro-batch 2 MB reduced inside and 2 MB
+    # all-reduced across; 2 MB gathered after the step
+    assert planned_comm(p, 4, r, 2, 2, shard_group=2) == 2 * (2 + 2) * 10**6 + 2 * 10**6
 
 
 def test_one_process_is_singular():

@@ -220,7 +220,7 @@ def train(cfg: TrainConfig) -> dict:
         profile_report(model, cfg, gpt_cfg, micro, rank, out)
     memories = [None] * world
     dist.all_gather_object(memories, held[0] if held else model.memory(optimizer))
-    out.summary(memories, comm, model.zero_config.recipe)
+    out.summary(memories, comm, model.zero_config.recipe, model.comm.shard_world)
     if cfg.sample_chars:
         prompt = torch.tensor([list(b"The ")], device=device)
         g = torch.Generator().manual_seed(cfg.seed)

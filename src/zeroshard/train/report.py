@@ -8,21 +8,25 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..plan.memory import comm_bytes, model_state_bytes, ring_one_way
+from ..plan.comm import comm_bytes, ring_one_way, shard_degree
+from ..plan.memory import model_state_bytes
 from .config import processes
 
 MB = 1e6
 
 
-def planned_comm(params: int, world: int, recipe, stage: int, accum: int) -> int:
+def planned_comm(params: int, world: int, recipe, stage: int, accum: int,
+                 shard_group: int | None = None) -> int:
     """Bytes a rank sends per step as planned, with ``accum`` micro-batches per step:
     every backward reduces its gradients (the loop never skips communication with
-    ``no_sync``), and at stage 3 every forward and backward gathers the weights; stages
-    1-2 gather once, after the step. One micro-batch: the planner's figure."""
-    once = comm_bytes(params, world, recipe, stage)
-    if stage in (0, 3):
-        return accum * once
-    return once + (accum - 1) * ring_one_way(recipe.reduce_bytes * params, world)
+    ``no_sync``; under hybrid sharding the all-reduce across groups follows each), and
+    at stage 3 every forward and backward gathers the weights; stages 1-2 gather once,
+    after the step. One micro-batch: the planner's figure."""
+    once = comm_bytes(params, world, recipe, stage, shard_group=shard_group)
+    if stage in (1, 2):
+        k = shard_degree(world, 1, shard_group)
+        return accum * once - (accum - 1) * ring_one_way(recipe.weight_bytes * params, k)
+    return accum * once
 
 
 class Reporter:
@@ -89,13 +93,18 @@ class Reporter:
         if self.enabled and self.progress is not None:
             self.progress.stop()
 
-    def summary(self, memories: list[dict], comm: dict, recipe) -> None:
+    def summary(self, memories: list[dict], comm: dict, recipe, shard_world: int) -> None:
+        """Memory per rank and traffic per step, measured beside planned; ``shard_world``:
+        the ranks each shard group holds (the world, unless sharding is hybrid)."""
         if not self.enabled:
             return
-        stage = self.cfg.zero.stage
-        weights, grads, optimizer = model_state_bytes(self.params, self.world, recipe, stage)
+        stage, z = self.cfg.zero.stage, self.cfg.zero
+        group = shard_world if shard_world != self.world else None
+        weights, grads, optimizer = model_state_bytes(self.params, self.world, recipe, stage,
+                                                      shard_group=group)
+        hybrid = f", shard groups of {group}" if group else ""
         t = Table(title=f"memory per rank (MB): measured by the ledger / planned "
-                        f"({recipe.name}, stage {stage}, N = {self.world})",
+                        f"({recipe.name}, stage {stage}, N = {self.world}{hybrid})",
                   title_justify="left")
         for col in ("rank", "params", "grads", "optimizer", "padding", "gathered", "buffers"):
             t.add_column(col, justify="right")
@@ -105,7 +114,10 @@ class Reporter:
                       *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
         self.console.print(t)
         steps = max(1, self.steps_done)
-        planned = planned_comm(self.params, self.world, recipe, stage, self.accum)
+        planned = planned_comm(self.params, self.world, recipe, stage, self.accum, group)
+        # the planner does not model these: its figure would mislead
+        unplanned = [f for f in ("quantize_weights", "quantize_grads", "secondary_group")
+                     if getattr(z, f, None)]
         t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
                   title_justify="left")
         for col in ("collective", "calls/step", "MB/step"):
@@ -114,7 +126,7 @@ class Reporter:
             t.add_row(kind, f"{s['calls'] / steps:g}", f"{s['bytes'] / steps / MB:.3f}")
         t.add_row("total", "", f"{sum(s['bytes'] for s in comm.values()) / steps / MB:.3f}")
         t.add_row("planned", f"{self.accum} micro-batches" if self.accum > 1 else "",
-                  f"{planned / MB:.3f}")
+                  f"n/a ({', '.join(unplanned)})" if unplanned else f"{planned / MB:.3f}")
         self.console.print(t)
 
     def profile(self, folder, statements, plan, measured, peak_total) -> None:
