@@ -6,9 +6,10 @@ second (decimal units), one direction, per GPU:
 - **accelerator peak**: dense bf16 tensor-core FLOP/s without sparsity (A100 SXM 312 T,
   H100 SXM 989 T, H200 SXM 989 T: NVIDIA's A100, H100 and H200 data sheets) and HBM
   bandwidth (2.039, 3.35 and 4.8 TB/s). The step-time model multiplies the peak by an
-  *efficiency* factor (model FLOPs utilisation); 0.4 is the default, below the 46–52 %
-  that PaLM (Chowdhery et al., 2022, table 3) and Megatron-LM (Narayanan et al., 2021)
-  report for large, well-tuned runs.
+  *efficiency* factor (model FLOPs utilisation) and charges activation checkpointing's
+  recomputed FLOPs at a share ``recompute_charge`` of their count, both calibrated on
+  published FSDP runs (``plan/published.py``): A100 0.59, H100 and H200 0.44, recompute
+  0.25 (PaLM reports 46 % MFU and Megatron-LM 52 % for large tuned runs).
 - **links**: NVLink 4 (H100) moves 900 GB/s per GPU in both directions together, so 450
   GB/s each way; NVLink 3 (A100) 600 → 300 GB/s; PCIe 4.0 ×16 about 32 GB/s each way,
   PCIe 5.0 ×16 about 64 GB/s; InfiniBand NDR 400 Gb/s = 50 GB/s and HDR 200 Gb/s =
@@ -56,7 +57,12 @@ class Accelerator:
     streams every byte of its state once, and the engine's own copies (pack, unpack,
     casts), which read and write every byte they move."""
     efficiency: float = 0.4
-    """Fraction of ``peak_flops`` a transformer step achieves (model FLOPs utilisation)."""
+    """Fraction of ``peak_flops`` a transformer step achieves on its model FLOPs (model
+    FLOPs utilisation, MFU: ``6·P + 12·L·h·s`` a token, recompute not counted)."""
+    recompute_charge: float = 1.0
+    """Share of the recomputed forward's FLOPs (activation checkpointing) that the step
+    pays at ``efficiency``: 1 charges recompute like model FLOPs; published runs lose
+    far less MFU to checkpointing than that (docs/steptime.md, calibration)."""
 
     def __post_init__(self) -> None:
         _positive(self.name, "peak_flops", self.peak_flops)
@@ -64,6 +70,9 @@ class Accelerator:
         _positive(self.name, "efficiency", self.efficiency)
         if self.efficiency > 1:
             raise ValueError(f"{self.name}: efficiency={self.efficiency!r} must be in (0, 1]")
+        if not 0 <= self.recompute_charge <= 1:
+            raise ValueError(f"{self.name}: recompute_charge={self.recompute_charge!r} must "
+                             "be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -188,9 +197,11 @@ _LOOPBACK = Link("gloo loopback", 0.92e9, 149e-6)
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
-        Accelerator("a100", 312e12, 2.039e12),
-        Accelerator("h100", 989e12, 3.35e12),
-        Accelerator("h200", 989e12, 4.8e12),
+        # efficiency and recompute_charge: calibrated on published FSDP runs
+        # (plan/published.py, docs/steptime.md): median |error| 4.3 % over 18 rows
+        Accelerator("a100", 312e12, 2.039e12, 0.59, 0.25),
+        Accelerator("h100", 989e12, 3.35e12, 0.44, 0.25),
+        Accelerator("h200", 989e12, 4.8e12, 0.44, 0.25),  # H100's chip: its calibration
         # bench/steptime.py: the GEMM rate of one thread, the efficiency of a one-process
         # GPT medium step against it, and AdamW's effective streaming rate (which the
         # model also charges the engine's copies at).
@@ -230,7 +241,8 @@ def get_accelerator(name: str, efficiency: float | None = None) -> Accelerator:
     a = ACCELERATORS[name]
     if efficiency is None:
         return a
-    return Accelerator(a.name, a.peak_flops, a.memory_bandwidth, efficiency)
+    return Accelerator(a.name, a.peak_flops, a.memory_bandwidth, efficiency,
+                       a.recompute_charge)
 
 
 def get_host(name: str, memory_bandwidth: float | None = None) -> Host:

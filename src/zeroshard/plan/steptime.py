@@ -4,8 +4,11 @@
 **Compute.** Per token, forward ``2·P + 4·L·h·s`` FLOPs (a multiply-add per weight; the
 attention scores and weighted sum over ``s`` positions), backward twice that: ``6·P +
 12·L·h·s`` (Kaplan et al., 2020, table 1; Narayanan et al., 2021, section 5.1);
-checkpointing recomputes the forward, ``8·P + 16·L·h·s``. TP of degree K gives each GPU
-1/K. Time = FLOPs / (peak × efficiency).
+checkpointing recomputes the forward of every k-th block (``checkpoint_every``), a
+share 1/k of ``2·P + 4·L·h·s``. TP of degree K gives each GPU 1/K. Model FLOPs and
+recompute are charged apart: time = (model FLOPs + ``recompute_charge`` × recomputed
+FLOPs) / (peak × efficiency), both calibrated per accelerator on published runs
+(``plan/published.py``; docs/steptime.md).
 
 **Communication** (ring alpha-beta model; Thakur, Rabenseifner and Gropp, 2005;
 Patarasuk and Yuan, 2009): over n ranks a reduce-scatter or all-gather of T bytes takes
@@ -187,8 +190,10 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     tp_ar = ring_time("all_reduce", work.tokens * model.hidden * recipe.activation_bytes, tp,
                       cluster.link(tp))
     f_unit = fwd / units + 2 * layers_per_unit * tp_ar
-    recompute = 1 if work.checkpointing else 0
-    b_unit = (2 + recompute) * fwd / units + (2 + 2 * recompute) * layers_per_unit * tp_ar
+    # the recomputed share of a forward (every k-th block), charged at recompute_charge
+    ckpt = 1 / work.checkpoint_every if work.checkpointing else 0
+    recompute = ckpt * acc.recompute_charge
+    b_unit = (2 + recompute) * fwd / units + (2 + 2 * ckpt) * layers_per_unit * tp_ar
 
     link = cluster.link(dp * tp)  # the shard group's K·tp consecutive GPUs
     unit_params = model.params / tp / units
@@ -240,7 +245,7 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
         t += units * back  # the updated shards up into the device's weight shards
     a = schedule.micro_batches
     compute = a * (1 + 2 + recompute) * fwd
-    tp_comm = a * model.layers * (4 + 2 * recompute) * tp_ar
+    tp_comm = a * model.layers * (4 + 2 * ckpt) * tp_ar
     copies = cost.per_step(units, a) / bw
     per_pass = units * (gather if stage == 3 else 0.0)
     comm = a * (2 * per_pass + units * (reduce + across)) + post
