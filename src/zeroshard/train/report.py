@@ -124,7 +124,9 @@ class Reporter:
             t.add_column(col, justify="right")
         for kind, s in comm.items():
             t.add_row(kind, f"{s['calls'] / steps:g}", f"{s['bytes'] / steps / MB:.3f}")
-        t.add_row("total", "", f"{sum(s['bytes'] for s in comm.values()) / steps / MB:.3f}")
+        # the engine's checks (fingerprints, agreements) are shown, not planned or totalled
+        sent = sum(s["bytes"] for kind, s in comm.items() if kind != "check")
+        t.add_row("total", "", f"{sent / steps / MB:.3f}")
         t.add_row("planned", f"{self.accum} micro-batches" if self.accum > 1 else "",
                   f"n/a ({', '.join(unplanned)})" if unplanned else f"{planned / MB:.3f}")
         self.console.print(t)
