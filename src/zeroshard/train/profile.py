@@ -7,21 +7,28 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..observe.trace import chrome_trace, lifetime_chart
-from ..plan.arch import ModelSpec
-from ..plan.memory import Workload, activation_bytes, model_state_bytes, transient_bytes
+from ..plan.arch import Architecture, ModelSpec
+from ..plan.memory import Workload
+from ..plan.peak import peak
 
 
-def predicted(model, spec: ModelSpec, work: Workload) -> dict[str, int]:
-    """The planner's per-category figures for a sharded model, transient terms included
-    (activations from the model's shape and the workload)."""
+def predicted(model, gpt_cfg, tokens: int, seq_len: int) -> tuple[dict[str, int], int]:
+    """The planner's figures for this run (``zeroshard.plan.peak``: the built-in GPT's
+    architecture, its workload): per category at the peak, and the peak the profiler
+    can see (saved tensors, not kernels' scratch), for ``tokens`` per rank per forward
+    in sequences of ``seq_len``."""
     recipe, world = model.zero_config.recipe, model.comm.dp_world
-    params = sum(u.w_layout.numel for u in model.units)
-    weights, grads, optimizer = model_state_bytes(params, world, recipe, model.stage)
-    largest = max(u.w_layout.numel for u in model.units)
-    out = {"params": weights, "grads": grads, "optimizer": optimizer,
-           "activations": activation_bytes(spec, recipe, work) or 0}
-    out.update(transient_bytes(recipe, model.stage, world, largest, model.zero_config.prefetch))
-    return out
+    c = gpt_cfg
+    arch = Architecture("gpt", c.hidden, c.layers, c.heads, 4 * c.hidden, c.vocab, tied=True,
+                        max_positions=c.block_size, gated_mlp=False, norm_bias=True,
+                        linear_bias=True, family="gpt")
+    work = Workload(tokens, seq_len, checkpointing=False, flash_attention=True)
+    impl = "foreach" if model.units[0].device.type == "cuda" else "for-loop"  # torch's pick
+    p = peak(ModelSpec.from_arch(arch), recipe, work, world, model.stage,
+             model.zero_config.prefetch, optimizer_impl=impl,
+             shard_group=model.comm.shard_world)
+    return ({"params": p.weights, "grads": p.grads, "optimizer": p.optimizer,
+             "activations": p.activations}, p.profiled)
 
 
 def profile_report(model, cfg, gpt_cfg, micro: int, rank: int, out) -> None:
@@ -33,12 +40,10 @@ def profile_report(model, cfg, gpt_cfg, micro: int, rank: int, out) -> None:
     if rank == 0:
         lifetime_chart(prof, str(folder / "lifetimes.png"),
                        f"GPT {cfg.model}, ZeRO stage {cfg.zero.stage}, rank 0")
-    params = sum(u.w_layout.numel for u in model.units)
-    spec = ModelSpec(cfg.model, params, gpt_cfg.hidden, gpt_cfg.layers, gpt_cfg.heads)
-    plan = predicted(model, spec, Workload(micro * gpt_cfg.block_size, gpt_cfg.block_size,
-                                           checkpointing=False))
-    _, peak = prof.peak()
-    measured = {k: peak.memory[k] for k in plan}
+    plan, planned_total = predicted(model, gpt_cfg, micro * gpt_cfg.block_size,
+                                    gpt_cfg.block_size)
+    _, at = prof.peak()
+    measured = {k: at.memory[k] for k in plan}
     statements = [None] * model.comm.dp_world
     dist.all_gather_object(statements, statement, group=model.comm.group)
-    out.profile(folder, statements, plan, measured, prof.total(peak))
+    out.profile(folder, statements, plan, measured, prof.total(at), planned_total)

@@ -131,7 +131,7 @@ class Reporter:
                   f"n/a ({', '.join(unplanned)})" if unplanned else f"{planned / MB:.3f}")
         self.console.print(t)
 
-    def profile(self, folder, statements, plan, measured, peak_total) -> None:
+    def profile(self, folder, statements, plan, measured, peak_total, planned_total) -> None:
         if not self.enabled:
             return
         for r, line in enumerate(statements):
@@ -142,7 +142,7 @@ class Reporter:
         for k, p in plan.items():
             t.add_row(k, f"{p / MB:.3f}", f"{measured[k] / MB:.3f}",
                       f"{(measured[k] - p) / MB:+.3f}")
-        total = sum(plan.values())
+        total = planned_total  # the planner's peak (plan.peak): its moment, not a sum
         t.add_row("peak", f"{total / MB:.3f}", f"{peak_total / MB:.3f}",
                   f"{(peak_total - total) / MB:+.3f} ({(peak_total - total) / total:+.1%})")
         self.console.print(t)
