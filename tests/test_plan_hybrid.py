@@ -103,6 +103,16 @@ def test_a_group_that_does_not_divide_is_named():
     assert shard_degree(16, 2, 4) == 4 and shard_degree(16, 2) == 8
 
 
+def step_seeing_memory(net, opt) -> dict:
+    """``opt.step()`` and ``zero_grad()``; returns ``net.memory(opt)`` as the step begins."""
+    seen = []
+    hook = opt.register_step_pre_hook(lambda o, a, kw: seen.append(net.memory(o)))
+    opt.step()
+    hook.remove()
+    opt.zero_grad()
+    return seen[0]
+
+
 def _ledger(k: int) -> dict:
     """On each rank, per stage: memory per category at the second step (the optimizer
     state made by the first) and the bytes per level of that step."""
@@ -119,14 +129,9 @@ def _ledger(k: int) -> dict:
         for step in range(2):
             net.comm_stats(reset=True)
             net(*cases.batch("mlp", step)).backward()
-            seen = []
-            hook = opt.register_step_pre_hook(
-                lambda o, a, kw, seen=seen, net=net: seen.append(net.memory(o)))
-            opt.step()
-            hook.remove()
-            opt.zero_grad()
+            seen = step_seeing_memory(net, opt)
         levels = net.comm_stats(by_level=True)
-        out[stage] = {"memory": {c: seen[0][c] for c in ("params", "grads", "optimizer")},
+        out[stage] = {"memory": {c: seen[c] for c in ("params", "grads", "optimizer")},
                       "units": [(u.r_layout.slot_numel, len(u.trainable)) for u in net.units],
                       **{lv: {kind: v["bytes"] for kind, v in levels.get(lv, {}).items()}
                          for lv in ("inside", "across")}}

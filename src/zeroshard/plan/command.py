@@ -14,6 +14,7 @@ examples:
   zeroshard plan --model llama2-70b --gpus 64 --network pcie4-roce --recommend
   zeroshard plan --model llama2-13b --gpus 64 --shard-group node --time
   zeroshard plan --model llama2-70b --gpus 8 --offload optimizer --time
+  zeroshard plan --model llama2-70b --gpus 64 --hpz 8 --quantize-weights --quantize-grads
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .._paths import output_file
 from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hfconfig import KINDS, from_hf_config
-from .memory import STRATEGIES, Workload, plan_all, stage_of
+from .memory import QUANT_BLOCK, STRATEGIES, Workload, ZeroPP, plan_all, shard_degree, stage_of
 from .offload import OFFLOADS, pcie_bytes
 from .peak import peak
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
@@ -71,6 +72,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'params' the weight shards too (stage 3; ZeRO-1/2 then offload the "
                         "optimizer only, DDP nothing): device and host bytes, host memory per "
                         "node, PCIe bytes per step. Disk offload is not in the engine yet")
+
+    z = p.add_argument_group("ZeRO++ (the engine's secondary_group, quantize_weights, "
+                             "quantize_grads; each strategy takes what it can)")
+    z.add_argument("--hpz", type=int, metavar="K2",
+                   help="hpZ (stage 3): after a unit's forward keep K/K2 of its weights' slots "
+                        "so that its backward gathers over K2 ranks (a secondary group, "
+                        "dividing the shard group): weights/K2 more memory until backward, "
+                        "bytes at the 'secondary' level")
+    z.add_argument("--quantize-weights", action="store_true",
+                   help="qwZ (stage 3): the weights' all-gathers send int8 blocks with one fp32 "
+                        "scale each (backward's too, unless --hpz keeps them)")
+    z.add_argument("--quantize-grads", action="store_true",
+                   help="qgZ (stages 1-3): the gradients' reduce-scatter sends int8 blocks; the "
+                        "all-reduce across shard groups stays exact (not with --reduce-dtype)")
+    z.add_argument("--quant-block", type=int, default=QUANT_BLOCK, metavar="B",
+                   help=f"elements per quantization block, one fp32 scale each (default "
+                        f"{QUANT_BLOCK})")
 
     a = p.add_argument_group("activations")
     a.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (default 2048)")
@@ -155,6 +173,25 @@ def _sweep(spec: str) -> list[int]:
     return counts
 
 
+def zeropp(args, stage: int | None = None) -> ZeroPP | None:
+    """ZeRO++ from ``--hpz``, ``--quantize-weights``, ``--quantize-grads`` and
+    ``--quant-block`` (None when none is given), refused in the engine's words where the
+    recipe (an explicit ``--reduce-dtype``) or the one strategy asked for cannot take it."""
+    hpz, qw, qg = args.hpz, args.quantize_weights, args.quantize_grads
+    if hpz is None and not qw and not qg:
+        if args.quant_block != QUANT_BLOCK:
+            raise ValueError(f"--quant-block={args.quant_block} needs --quantize-weights or "
+                             "--quantize-grads")
+        return None
+    z = ZeroPP(hpz, qw, qg, args.quant_block)
+    if qg:  # an explicit --reduce-dtype, at any stage
+        ZeroPP(quantize_grads=True).check(1, get_recipe(args.precision).with_reduce_dtype(
+            args.reduce_dtype))
+    if stage is not None:
+        z.check(stage)
+    return z
+
+
 def run(args) -> int:
     if args.list_models:
         render.models(PRESETS)
@@ -177,6 +214,14 @@ def run(args) -> int:
     budget = int(args.gpu_mem * unit)
     shown = [STRATEGIES[stage_of(args.strategy)]] if args.strategy else list(STRATEGIES)
     sweep = _sweep(args.sweep) if args.sweep else None
+    zpp = zeropp(args, stage_of(args.strategy) if args.strategy else None)
+    if zpp is not None and args.recommend:
+        raise ValueError("--recommend does not weigh hpZ or quantized collectives yet; drop "
+                         "--hpz, --quantize-weights and --quantize-grads (or plan them without "
+                         "--recommend, with --time)")
+    if zpp is not None and zpp.secondary_group is not None and args.min_gpus:
+        raise ValueError(f"--min-gpus searches GPU counts for plain ZeRO-3; --hpz="
+                         f"{args.hpz} adds weights/{args.hpz} per GPU until backward: drop one")
 
     if args.html:
         from . import page
@@ -190,6 +235,9 @@ def run(args) -> int:
                         flash_attention=args.flash_attention, gpu_step=args.gpu_step,
                         tp=args.tp or 1, shard_group=timecmd.shard_group(args))
         render.wrote(args.html)
+        if zpp is not None:
+            sys.stderr.write("the page plans without hpZ and quantized collectives (it has "
+                             "no control for them)\n")
     if args.recommend:
         rec = timecmd.run_recommend(args, model, recipe, budget)
         if args.json:
@@ -213,27 +261,30 @@ def run(args) -> int:
     if args.offload and (args.min_gpus or args.sweep):
         raise ValueError(f"--offload={args.offload} plans one GPU count; drop "
                          f"{'--min-gpus' if args.min_gpus else '--sweep'}")
-    plans = plan_all(model, args.gpus, recipe, work, budget, tp, group, args.offload)
+    if zpp is not None:
+        zpp.secondary(shard_degree(args.gpus, tp, group))  # K2 must divide the shard group
+    plans = plan_all(model, args.gpus, recipe, work, budget, tp, group, args.offload, zpp,
+                     args.blocks_per_unit)
     prefetch = 1 if args.prefetch is None else args.prefetch
     peaks = [peak(model, recipe, work, args.gpus, s, prefetch, args.blocks_per_unit, tp,
-                  shard_group=group, offload=args.offload) for s in range(4)]
+                  shard_group=group, offload=args.offload, zeropp=zpp) for s in range(4)]
     steps = timecmd.accumulation(args, work, tp) if args.offload else 1
     moved = [pcie_bytes(model.params, args.gpus, recipe, s, p.offload, tp, group, steps)
              for s, p in enumerate(plans)]
-    times = timecmd.run_time(args, model, recipe, work) if args.time else None
+    times = timecmd.run_time(args, model, recipe, work, zpp) if args.time else None
     fit = advice.first_fit(plans)
     if args.gpu_step is not None and not args.min_gpus:
         raise ValueError("--gpu-step only applies with --min-gpus")
     _positive("gpu-step", args.gpu_step)
     mins = [advice.min_gpus(model, recipe, s, budget, work, args.gpu_step)
             for s in STRATEGIES] if args.min_gpus else None
-    sweep_plans = ({n: plan_all(model, n, recipe, work, budget, tp, group) for n in sweep}
-                   if sweep else None)
+    sweep_plans = ({n: plan_all(model, n, recipe, work, budget, tp, group, None, zpp,
+                                args.blocks_per_unit) for n in sweep} if sweep else None)
 
     if args.json:
         out = {
             "model": model.name, "params": model.params, "gpus": args.gpus,
-            "shard_group": group,
+            "shard_group": group, "zeropp": None if zpp is None else zpp.as_dict(),
             "recipe": recipe.name, "tokens": work.tokens, "budget": budget,
             "first_fit": fit,
             "strategies": [{**p.as_dict(), "peak": q.as_dict()}
@@ -258,6 +309,8 @@ def run(args) -> int:
         render.plan_table(model, recipe, work, args.gpus, budget, plans, shown, unit, args.gib)
         if args.offload:
             render.offload_lines(plans, moved, shown, args.gpus_per_node, unit, args.gib)
+        if zpp is not None:
+            render.zeropp_line(zpp, plans, shown, unit, args.gib)
         render.line("peak per GPU (the largest of the loss's backward, a unit's backward "
                     "and the optimizer step): " + "; ".join(
                         f"{p.strategy} {q.bytes / unit:.2f} at the {q.moment}"

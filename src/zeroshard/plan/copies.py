@@ -7,8 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .comm import ZeroPP
 from .hardware import GLOO_BROADCAST_MAX
 from .recipes import Recipe
+
+#: Bytes per element of ``runtime/quantize._quantize_rows`` (and ``_pack``) over an input
+#: of a bytes an element, its unfused torch ops one by one: the zeroed fp32 copy (4, then
+#: a + 4), ``abs`` (8), ``amax`` (4), ``div_``, ``round_``, ``clamp_`` (8 each),
+#: ``masked_fill_`` (4), the int8 cast (5), ``contiguous`` (2) and the pack (2): 57 + a.
+QUANTIZE_BYTES = 57
+#: Bytes per element of ``_dequantize_rows`` into fp32: the zeroed fp32 buffer (4), the
+#: int8 copied in (1 + 4), the scales' ``mul_`` (8): 17, before its consumer copies out.
+DEQUANTIZE_BYTES = 17
 
 
 def _cast(n: float, a: str, b: str, a_bytes: int, b_bytes: int) -> float:
@@ -26,7 +36,10 @@ class CopyBytes:
 
     pack: float
     """Each backward, ``issue_reduce``: ``_chunk_cat`` reads the local gradients and
-    writes the [N, S+F] buffer, ``Q·(g + r)``."""
+    writes the [N, S+F] buffer, ``Q·(g + r)``. qgZ adds the buffer quantized,
+    ``(57 + r)·Q``, and in the wait its K copies of this rank's slot dequantized,
+    ``17·Q``, and summed in fp32 (a clone, K - 1 adds, the copy out: ``(12·K + r)·Q/N``);
+    charged here, with the reduction."""
     land: float
     """The step's first backward, ``wait_reduce``: stage 0 ``_land_full_grads`` divides
     the [N, ·] buffer by N into the full gradients in one pass (``Q·(r + g)``); stages 1-3
@@ -37,9 +50,11 @@ class CopyBytes:
     """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
     (``Q·(r + 2g)/N`` after the divide); stages 0-1 as :attr:`land`."""
     gather: float
-    """Stage 3, each gather (forward and backward): ``unpack_into`` ``2·Q·w``; on gloo
-    also the shard copied into its slot of the output (``2·Q·w/N``), or above
-    ``GLOO_BROADCAST_MAX`` ranks torch's copy out of its flat buffer (``2·Q·w``)."""
+    """Stage 3, each forward gather: ``unpack_into`` ``2·Q·w``; on gloo also the shard
+    copied into its slot of the output (``2·Q·w/N``), or above ``GLOO_BROADCAST_MAX``
+    ranks torch's copy out of its flat buffer (``2·Q·w``). qwZ (any backend): the shard
+    quantized, ``(57 + w)·Q/N``, and the K slots dequantized into the output,
+    ``(17 + 4 + w)·Q``, beside ``unpack_into``."""
     sync_input: float
     """Stages 1-2 after the step, ``refresh_compute``: the all-gather input, written
     into its slot of the output, a master cast ``Q·(m + w)/N`` (if m ≠ w) or
@@ -48,7 +63,11 @@ class CopyBytes:
     """Stages 1-2, ``wait_sync``: ``unpack_into`` of the gathered [N, S], ``2·Q·w``; with
     no master only the other ranks' rows, ``2·(Q - Q/N)·w``; on gloo above
     ``GLOO_BROADCAST_MAX`` ranks also torch's copy out of its flat buffer (``2·Q·w``)."""
-    step: float
+    gather_back: float = 0.0
+    """Stage 3, each backward gather: :attr:`gather`, but under hpZ the secondary
+    group's (unquantized; on gloo the kept ``[K/K2, S]`` slots copied into the output,
+    ``2·Q·w/K2``)."""
+    step: float = 0.0
     """Once per step with a master: ``assign_step_grads``' cast to it if g ≠ m
     (``Q·(g + m)`` at stage 0, ``/N`` above) and ``refresh_compute``'s master copy into
     the weights at stage 0 (``Q·(m + w)``) and into ``w_shard`` at stage 3 (``/N``).
@@ -60,17 +79,20 @@ class CopyBytes:
         gathers twice per micro-batch: forward and backward)."""
         a = micro_batches
         return units * (a * self.pack + self.land + (a - 1) * self.land_more
-                        + 2 * a * self.gather + self.sync_input + self.sync_unpack + self.step)
+                        + a * (self.gather + self.gather_back) + self.sync_input
+                        + self.sync_unpack + self.step)
 
 
 def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
-               gloo: bool = False, offload: str | None = None) -> CopyBytes:
+               gloo: bool = False, offload: str | None = None,
+               zeropp: ZeroPP | None = None) -> CopyBytes:
     """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks;
     ``gloo``: with the copies the engine adds around gloo's in-place all-gathers;
     ``offload`` (``plan/offload.py``): every landing casts the reduced slot to the
     master dtype on the device before it goes to the host (CUDA converts, then copies
     across), and the step's casts and the stage 1-2 all-gather input are made on the
-    host (the input arrives by PCIe, no device copy)."""
+    host (the input arrives by PCIe, no device copy). ``zeropp``: qwZ's and qgZ's
+    quantize and dequantize passes, hpZ's backward gathers inside the secondary group."""
     Q, n = unit_params, unit_params / dp
     w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
                   recipe.master_bytes)
@@ -88,9 +110,22 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
     # buffer
     broadcasts = dp <= GLOO_BROADCAST_MAX
     staged = 0.0 if not gloo or broadcasts else 2 * Q * w
-    gather = 0.0
+    z = zeropp or ZeroPP()
+    gather = gather_back = 0.0
     if stage == 3:
-        gather = 2 * Q * w + (2 * n * w if gloo and broadcasts else staged)
+        gather = gather_back = 2 * Q * w + (2 * n * w if gloo and broadcasts else staged)
+        if z.quantize_weights and dp > 1:  # all_gather_single of int8 rows, any backend
+            gather = 2 * Q * w + (QUANTIZE_BYTES + w) * n + (DEQUANTIZE_BYTES + 4 + w) * Q
+            gather_back = gather
+        k2 = z.secondary(dp)
+        if k2 is not None:  # on gloo as any gather, over K2 ranks of the kept K/K2 slots
+            extra = 0.0
+            if gloo and k2 > 1:
+                extra = 2 * Q * w / k2 if k2 <= GLOO_BROADCAST_MAX else 2 * Q * w
+            gather_back = 2 * Q * w + extra
+    pack = Q * (g + r)
+    if z.quantize_grads and stage > 0 and dp > 1:
+        pack += (QUANTIZE_BYTES + r) * Q + DEQUANTIZE_BYTES * Q + (12 * dp + r) * n
     if offload:  # the landing's cast before the copy down (an fp32 master offloaded)
         down = _cast(n, gd, md or "fp32", g, m or 4)
         land, land_more = land + down, land_more + down
@@ -103,4 +138,4 @@ def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
     if md and not offload:
         owned = Q if stage == 0 else n
         step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)
-    return CopyBytes(Q * (g + r), land, land_more, gather, sync_input, sync_unpack, step)
+    return CopyBytes(pack, land, land_more, gather, sync_input, sync_unpack, gather_back, step)

@@ -38,6 +38,10 @@ of Megatron-LM, fig. 4), and two more when checkpointing recomputes the forward.
 Hybrid sharding (``shard_group`` K; ``plan/comm.py``): stage k shards over groups of K
 of the data-parallel ranks and replicates across the groups, so memory is the plain
 figure at K ranks (floor 16P/K at stage 3) and the bytes split into two levels.
+ZeRO++ (``zeropp``, :class:`~zeroshard.plan.comm.ZeroPP`): hpZ keeps K/K2 of every
+unit's slots from its forward to its backward (``StrategyPlan.secondary``, counted in
+``total``) and moves the backward's gathers to a third level, ``secondary``; qwZ and qgZ
+send quantized bytes (``plan/comm.py``).
 
 Every figure is an integer number of bytes; sharded figures round up (a rank holds
 whole elements).
@@ -51,11 +55,15 @@ from typing import TYPE_CHECKING
 from .activations import family_bytes, korthikanti_bytes
 from .arch import ModelSpec
 from .comm import (  # noqa: F401 - re-exported: the planner's communication model
+    QUANT_BLOCK,
+    ZeroPP,
     comm_bytes,
     comm_bytes_by_level,
     dp_degree,
+    quantized_nbytes,
     ring_all_reduce,
     ring_one_way,
+    secondary_bytes,
     shard_degree,
 )
 from .recipes import Recipe
@@ -159,6 +167,13 @@ class StrategyPlan:
     ``grads`` and ``optimizer`` are then the device's bytes."""
     placement: Placement | None = None
     """With ``offload``: the :class:`~zeroshard.plan.offload.Placement` at the step."""
+    secondary: int = 0
+    """hpZ: bytes of every unit's secondary shards, held at the start of backward
+    (K/K2 of the weights' K slots; the engine's ``gathered``); in ``total``."""
+    comm_secondary: int = 0
+    """Of ``comm``, the bytes of hpZ's backward gathers inside the secondary groups."""
+    zeropp: ZeroPP | None = None
+    """ZeRO++ as this strategy takes it (``ZeroPP.at``); None: none of it."""
 
     @property
     def host(self) -> int:
@@ -167,12 +182,14 @@ class StrategyPlan:
 
     @property
     def comm_inside(self) -> int:
-        """Of ``comm``, the bytes sent inside the shard group (all of it when plain)."""
-        return self.comm - self.comm_across
+        """Of ``comm``, the bytes sent inside the shard group (all of it when plain and
+        without hpZ)."""
+        return self.comm - self.comm_across - self.comm_secondary
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + (self.activations or 0)
+        return (self.weights + self.grads + self.optimizer + (self.activations or 0)
+                + self.secondary)
 
     @property
     def fits(self) -> bool | None:
@@ -196,6 +213,9 @@ class StrategyPlan:
             "offload": self.offload,
             "host": self.host,
             "placement": None if self.placement is None else self.placement.as_dict(),
+            "secondary": self.secondary,
+            "comm_secondary": self.comm_secondary,
+            **(self.zeropp or ZeroPP()).as_dict(),
         }
 
 
@@ -231,6 +251,22 @@ def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
     )
 
 
+def unit_sizes(model: ModelSpec, blocks_per_unit: int = 1) -> list[int]:
+    """Parameters per unit as the engine's ``units="blocks"`` makes them: the root unit
+    (embeddings, final norm, head), then ``blocks_per_unit`` blocks a unit (the last
+    takes the rest). A bare count with layers: L blocks of P/L (summing to P, nothing
+    in the root); without layers, one unit."""
+    if not model.layers:
+        return [model.params]
+    if model.arch is None:
+        base, extra = divmod(model.params, model.layers)
+        blocks, root = [base + (i < extra) for i in range(model.layers)], []
+    else:
+        blocks, root = [model.block_params] * model.layers, [model.root_params]
+    b = max(1, blocks_per_unit)
+    return root + [sum(blocks[i:i + b]) for i in range(0, len(blocks), b)]
+
+
 def plan_strategy(
     model: ModelSpec,
     gpus: int,
@@ -241,10 +277,15 @@ def plan_strategy(
     tp: int = 1,
     shard_group: int | None = None,
     offload: str | None = None,
+    zeropp: ZeroPP | None = None,
+    blocks_per_unit: int = 1,
 ) -> StrategyPlan:
     """Per-GPU bytes of one strategy on ``gpus`` GPUs (``gpus / tp`` data-parallel ranks,
     sharded over all of them or over groups of ``shard_group``); ``offload`` as far as
-    the strategy takes it (none at stage 0, the optimizer's below stage 3)."""
+    the strategy takes it (none at stage 0, the optimizer's below stage 3). ``zeropp``
+    (:class:`ZeroPP`) is refused where the stage cannot take it, as the engine does:
+    :func:`plan_all` gives each strategy what it takes. Its quantized slots are those of
+    :func:`unit_sizes` at ``blocks_per_unit``."""
     from .offload import offload_at, placed_bytes  # builds on this module
     if not isinstance(gpus, int) or gpus <= 0:
         raise ValueError(f"gpus={gpus!r} must be a positive integer")
@@ -258,19 +299,27 @@ def plan_strategy(
     if offload:
         placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group)
         weights, grads, optimizer = placed.device.weights, placed.device.grads, 0
-    levels = comm_bytes_by_level(model.params, gpus, recipe, stage, shard_group, tp)
+    units = unit_sizes(model, blocks_per_unit) if zeropp is not None and zeropp.active else None
+    levels = comm_bytes_by_level(model.params, gpus, recipe, stage, shard_group, tp, zeropp,
+                                 units)
+    kept = sum(secondary_bytes(model.params, gpus, recipe, stage, shard_group, tp, zeropp,
+                               units))
     return StrategyPlan(
         STRATEGIES[stage], weights, grads, optimizer,
-        activation_bytes(model, recipe, work, tp), levels["inside"] + levels["across"],
+        activation_bytes(model, recipe, work, tp), sum(levels.values()),
         budget, tp, tp_comm_bytes(model, recipe, work, tp), shard_group, levels["across"],
-        offload, placed,
+        offload, placed, kept, levels.get("secondary", 0),
+        zeropp if zeropp is not None and zeropp.active else None,
     )
 
 
 def plan_all(model, gpus, recipe, work=None, budget=None, tp=1,
-             shard_group=None, offload=None) -> list[StrategyPlan]:
-    """One :class:`StrategyPlan` per strategy, DDP first."""
-    return [plan_strategy(model, gpus, recipe, s, work, budget, tp, shard_group, offload)
+             shard_group=None, offload=None, zeropp=None,
+             blocks_per_unit=1) -> list[StrategyPlan]:
+    """One :class:`StrategyPlan` per strategy, DDP first; ``zeropp`` as far as each
+    strategy takes it (:meth:`ZeroPP.at`)."""
+    return [plan_strategy(model, gpus, recipe, s, work, budget, tp, shard_group, offload,
+                          None if zeropp is None else zeropp.at(s), blocks_per_unit)
             for s in range(4)]
 
 

@@ -27,6 +27,12 @@ master, the optimizer state, the fp32 gradient copies and the step's temporaries
 the host (:attr:`Peak.host`), with ``params`` the weight shards too, whose device copies
 join each gather in flight.
 
+With hpZ (``zeropp``, :class:`~zeroshard.plan.comm.ZeroPP`) every unit keeps its
+secondary shards (K/K2 of its weights' slots) from its forward until its backward is
+done: all of them at the loss's backward and through the root unit's backward, the last
+block unit's at the end of backward, none at the step. qwZ's and qgZ's int8 send and
+receive buffers (about half a unit's weights or gradients in flight) are left out.
+
 ``profiled`` leaves out what the engine's profiler cannot see (autograd's gradients
 and the optimizer's temporaries), for holding the plan against a profile.
 """
@@ -37,7 +43,15 @@ from dataclasses import dataclass
 
 from .activations import head_bytes, loss_backward_bytes
 from .arch import ModelSpec
-from .memory import Workload, activation_bytes, shard_degree, transient_bytes
+from .memory import (
+    Workload,
+    ZeroPP,
+    activation_bytes,
+    secondary_bytes,
+    shard_degree,
+    transient_bytes,
+    unit_sizes,
+)
 from .offload import offload_at, placed_bytes
 from .recipes import Recipe
 
@@ -81,6 +95,10 @@ class Peak:
     """More than one micro-batch per step: gradients are held during backward."""
     host: int = 0
     """Offload: host bytes per GPU at the step (state, fp32 gradients, temporaries)."""
+    secondary: int = 0
+    """hpZ: every unit's secondary shards, held from the forward into the backward."""
+    unit_secondary: int = 0
+    """hpZ: the last block unit's secondary shards, held through its backward."""
 
     @property
     def phases(self) -> dict[str, int]:
@@ -89,10 +107,10 @@ class Peak:
         during = self.grads if self.accumulating else 0
         return {
             "loss backward": held + during + self.activations + self.loss_backward
-            + self.root_gathered,
+            + self.root_gathered + self.secondary,
             "unit backward": held + during + self.root_grads + self.activations
-            - self.head_activations + self.root_transients,
-            "backward end": held + self.grads + self.unit_transients,
+            - self.head_activations + self.root_transients + self.secondary,
+            "backward end": held + self.grads + self.unit_transients + self.unit_secondary,
             "optimizer step": held + self.grads + self.step_grads
             + self.optimizer_temporaries,
         }
@@ -115,7 +133,7 @@ class Peak:
         held = self.weights + self.optimizer
         during = self.grads if self.accumulating else 0
         phases = self.phases
-        return max(held + during + self.activations + self.root_gathered,
+        return max(held + during + self.activations + self.root_gathered + self.secondary,
                    phases["unit backward"], phases["backward end"],
                    held + self.grads + self.step_grads)
 
@@ -124,7 +142,7 @@ class Peak:
             "weights", "grads", "optimizer", "activations", "head_activations",
             "loss_backward", "root_gathered", "root_transients", "root_grads",
             "unit_transients", "step_grads",
-            "optimizer_temporaries", "accumulating", "host")}
+            "optimizer_temporaries", "accumulating", "host", "secondary", "unit_secondary")}
         return {**out, "phases": self.phases, "peak": self.bytes, "moment": self.moment}
 
 
@@ -139,12 +157,13 @@ def unit_params(model: ModelSpec, blocks_per_unit: int, tp: int = 1) -> tuple[in
 def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int,
          prefetch: int = 1, blocks_per_unit: int = 1, tp: int = 1, micro_batches: int = 1,
          optimizer_impl: str = "foreach", shard_group: int | None = None,
-         offload: str | None = None) -> Peak:
+         offload: str | None = None, zeropp: ZeroPP | None = None) -> Peak:
     """The :class:`Peak` of one GPU of ``gpus`` at ``stage`` running ``micro_batches``
     micro-batches of ``work`` per step; with ``shard_group`` K (hybrid sharding) every
     shard, reduction buffer and owned slice is that of K ranks (the replicas'
     all-reduce runs in place on the reduced slot: nothing more is held); ``offload`` as
-    far as ``stage`` takes it (``offload.offload_at``)."""
+    far as ``stage`` takes it (``offload.offload_at``); ``zeropp`` as far as ``stage``
+    takes it (``ZeroPP.at``): hpZ's secondary shards."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r}; expected one of "
                          f"{', '.join(OPTIMIZER_IMPLS)}")
@@ -183,5 +202,8 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
         host, step_grads, temporaries = placed.host.total + temporaries, 0, 0
     else:
         host = 0
+    kept = secondary_bytes(model.params, gpus, recipe, stage, shard_group, tp,
+                           zeropp and zeropp.at(stage), unit_sizes(model, blocks_per_unit))
     return Peak(weights, grads, optimizer, acts, head, loss, gathered, root_transients,
-                root_grads, transients, step_grads, temporaries, micro_batches > 1, host)
+                root_grads, transients, step_grads, temporaries, micro_batches > 1, host,
+                sum(kept), max(kept[1:] or kept or [0]))

@@ -43,25 +43,33 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
     k = plans[0].shard_group
     if k is not None:
         title += f", {hybrid_title(k, gpus // plans[0].tp)}"
-    levels = [f"inside {u}", f"across {u}"] if k is not None else []
+    hpz = any(p.secondary for p in plans)
+    levels = ([f"inside {u}"] if k is not None or hpz else []) + (
+        [f"across {u}"] if k is not None else []) + ([f"secondary {u}"] if hpz else [])
+    kept = [f"hpZ {u}"] if hpz else []
     offload = any(p.offload for p in plans)
     hosted = ["offload", f"host {u}"] if offload else []
     if offload:
         title += "; weights, grads, optim and total on the GPU"
     t = Table(title=title, title_justify="left")
-    for col in ("strategy", *hosted, "weights", "grads", "optim", "activ", f"total {u}",
-                f"comm {u}", *levels, "vs DDP", f"fits {budget / unit:g} {u}"):
+    for col in ("strategy", *hosted, "weights", "grads", "optim", "activ", *kept,
+                f"total {u}", f"comm {u}", *levels, "vs DDP", f"fits {budget / unit:g} {u}"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     ddp_comm = plans[0].comm
     for p in plans:
         if p.strategy not in shown:
             continue
         ratio = f"{p.comm / ddp_comm:.2f}x" if ddp_comm else "n/a"
-        split = [_fmt(p.comm_inside, unit), _fmt(p.comm_across, unit)] if levels else []
+        took = p.zeropp is not None and p.zeropp.secondary_group is not None
+        split = ([_fmt(p.comm_inside, unit)] if levels else []) + (
+            [_fmt(p.comm_across, unit)] if k is not None else []) + (
+            [_fmt(p.comm_secondary, unit) if took else "-"] if hpz else [])
         host = [p.offload or "-", _fmt(p.host, unit)] if offload else []
         t.add_row(p.strategy, *host, _fmt(p.weights, unit), _fmt(p.grads, unit),
-                  _fmt(p.optimizer, unit),
-                  _fmt(p.activations, unit, 3), _fmt(p.total, unit), _fmt(p.comm, unit),
+                  _fmt(p.optimizer, unit), _fmt(p.activations, unit, 3),
+                  *([_fmt(p.secondary, unit) if took else "-"] if hpz else []),
+                  _fmt(p.total, unit),
+                  _fmt(p.comm, unit),
                   *split, ratio, "yes" if p.fits else "no")
     _console().print(t)
     if plans[0].activations is None:
@@ -81,6 +89,27 @@ def offload_lines(plans, moved, shown, gpus_per_node, unit, gib) -> None:
     if parts:
         line(f"host memory and PCIe bytes per step (nodes of {gpus_per_node} GPUs, "
              "--gpus-per-node): " + "; ".join(parts))
+
+
+def zeropp_line(z, plans, shown, unit, gib) -> None:
+    """ZeRO++: what each strategy took (the engine refuses the rest at its stage)."""
+    u = "GiB" if gib else "GB"
+    parts = []
+    for p in plans:
+        if p.strategy not in shown:
+            continue
+        took = p.zeropp
+        names = [] if took is None else (
+            ([f"hpZ in groups of {took.secondary_group} ({p.secondary / unit:.2f} {u} kept "
+              f"from forward to backward, {p.comm_secondary / unit:.2f} {u} of backward "
+              "gathers inside them)"] if p.secondary else [])
+            + (["qwZ"] if took.quantize_weights else [])
+            + (["qgZ"] if took.quantize_grads else []))
+        parts.append(f"{p.strategy} {', '.join(names) if names else 'none'}")
+    block = (f"; int8 in blocks of {z.quant_block} with one fp32 scale each"
+             if z.quantize_weights or z.quantize_grads else "")
+    line("ZeRO++ (hpZ and qwZ at stage 3, qgZ at stages 1-3, as the engine takes them): "
+         + "; ".join(parts) + block)
 
 
 def hybrid_title(k: int, dp: int) -> str:
@@ -159,16 +188,18 @@ def time_table(times, plans, shown, args) -> None:
                      f"{args.gpus_per_node} per node){group}, {args.blocks_per_unit} block(s) "
                      f"per unit, prefetch {prefetch}"), title_justify="left")
     across = ["across s"] if k is not None else []
+    second = ["secondary s"] if any(st.secondary for st in times) else []
     pcie = ["PCIe s"] if any(st.pcie for st in times) else []
     for col in ("strategy", "step s", "compute s", "TP s", "optimizer s", "copies s",
-                *pcie, "comm s", *across, "exposed s", "tokens/s/GPU", "fits"):
+                *pcie, "comm s", *across, *second, "exposed s", "tokens/s/GPU", "fits"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for st, p in zip(times, plans):
         if st.strategy in shown:
             t.add_row(st.strategy, f"{st.step:.3f}", f"{st.compute:.3f}", f"{st.tp_comm:.3f}",
                       f"{st.optimizer:.4f}", f"{st.copies:.4f}",
                       *([f"{st.pcie:.3f}"] if pcie else []), f"{st.comm:.3f}",
-                      *([f"{st.across:.3f}"] if across else []), f"{st.exposed:.3f}",
+                      *([f"{st.across:.3f}"] if across else []),
+                      *([f"{st.secondary:.3f}"] if second else []), f"{st.exposed:.3f}",
                       f"{st.tokens_per_gpu:,.0f}", "yes" if p.fits else "no")
     _console().print(t)
 

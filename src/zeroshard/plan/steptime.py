@@ -56,6 +56,13 @@ node's host memory bandwidth shared by its GPUs, then the updated shard goes up 
 1-2 as each all-gather's input, stage 3 into the device shard; with ``params`` it stays
 on the host). ``StepTime.pcie`` is those copies' seconds.
 
+**ZeRO++** (``Schedule.zeropp``; ``plan/comm.py``): with hpZ each backward gather runs
+over the K2 ranks of a secondary group, on the link of K2·tp consecutive GPUs (NVLink
+when they share a node), its K slots' ``K·n·w`` bytes; qwZ's gathers and qgZ's
+reduction carry ``K·quantized_nbytes(n)`` bytes instead (qgZ an all-to-all: the ring
+reduce-scatter's time), and their quantize and dequantize passes are copies on the
+compute stream (:class:`CopyBytes`). The collectives share the one serial link.
+
 On a network marked ``overlap=False`` (gloo on a CPU, whose transfers take the cores
 that compute) nothing hides: compute + TP + optimizer + copies + every collective.
 
@@ -71,7 +78,7 @@ from dataclasses import dataclass
 from .arch import ModelSpec
 from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
 from .hardware import Cluster, Link
-from .memory import STRATEGIES, Workload, dp_degree, shard_degree
+from .memory import STRATEGIES, Workload, ZeroPP, dp_degree, shard_degree
 from .offload import check_offload, host_step_bytes, master_bytes, offload_at
 from .recipes import Recipe
 from .simulate import _land, _Link, _pass, _sync
@@ -117,9 +124,14 @@ class Schedule:
     replicates across the groups (None: over all of them)."""
     offload: str | None = None
     """``"optimizer"`` (stages 1-3) or ``"params"`` (stage 3): the engine's offload."""
+    zeropp: ZeroPP | None = None
+    """ZeRO++: hpZ's secondary group, qwZ and qgZ (refused where the stage cannot take
+    them, as the engine does)."""
 
     def __post_init__(self) -> None:
         check_offload(self.offload, self.stage)
+        if self.zeropp is not None:
+            self.zeropp.check(self.stage)
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; expected 0-3")
         for name, least in (("blocks_per_unit", 1), ("prefetch", 0), ("micro_batches", 1),
@@ -162,11 +174,14 @@ class StepTime:
     pcie: float = 0.0
     """Offload: seconds of copies between the device and the host on the compute stream
     (gradients down, weights up); ``optimizer`` is then the host step."""
+    secondary: float = 0.0
+    """Of ``comm``, seconds of hpZ's backward gathers inside the secondary groups."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("strategy", "step", "compute", "tp_comm",
                                               "optimizer", "copies", "comm", "exposed",
-                                              "tokens_per_gpu", "across", "pcie")}
+                                              "tokens_per_gpu", "across", "pcie",
+                                              "secondary")}
 
 
 def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
@@ -199,20 +214,33 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     unit_params = model.params / tp / units
     gloo = cluster.network.gloo
     off = schedule.offload
-    cost = copy_bytes(recipe, stage, unit_params, dp, gloo, off)  # memory rate, on compute
+    z = schedule.zeropp or ZeroPP()
+    z.check(stage, recipe)
+    k2 = z.secondary(dp)
+    cost = copy_bytes(recipe, stage, unit_params, dp, gloo, off, z)  # memory rate, on compute
+    # qwZ, qgZ: K slots of int8 and one fp32 scale per block (a unit's slot n = Q/K)
+    quantized = dp * (unit_params / dp + 4 * -(-unit_params / dp // z.quant_block))
     # offload: a unit's owned slot over the host link (plan/offload.py), per copy
     pcie_bw = cluster.host_side.pcie.bandwidth
     down = unit_params / dp * master_bytes(recipe, off) / pcie_bw if off else 0.0
     shard_up = unit_params / dp * recipe.weight_bytes / pcie_bw if off else 0.0
     upload = shard_up if off == "params" else 0.0  # before every gather
     back = shard_up if off == "optimizer" else 0.0  # after the host step
-    gather = ring_time("all_gather", unit_params * recipe.weight_bytes, dp, link)
-    reduce = ring_time("all_reduce" if stage == 0 or gloo else "reduce_scatter",
-                       unit_params * recipe.reduce_bytes, dp, link)
+    gather = ring_time("all_gather", quantized if z.quantize_weights else
+                       unit_params * recipe.weight_bytes, dp, link)
+    # hpZ: the backward's over the K2 ranks of a secondary group, unquantized
+    gather_back = gather if k2 is None else ring_time(
+        "all_gather", unit_params * recipe.weight_bytes, k2, cluster.link(k2 * tp))
+    if z.quantize_grads:  # an all-to-all on every backend
+        reduce = ring_time("reduce_scatter", quantized, dp, link)
+    else:
+        reduce = ring_time("all_reduce" if stage == 0 or gloo else "reduce_scatter",
+                           unit_params * recipe.reduce_bytes, dp, link)
     # hybrid sharding: the reduced slot (stage 0: the whole buffer) over the R replicas
     across = ring_time("all_reduce", unit_params * recipe.reduce_bytes / (dp if stage else 1),
                        replicas, cluster.link(replicas, stride=dp * tp))
     g = gather if stage == 3 else None
+    g_back = gather_back if stage == 3 else None
     pf = schedule.prefetch
 
     # Reducer._flush (runtime/backward.py): two reductions in flight at most, except at stage 0
@@ -220,10 +248,10 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     bounded = stage > 0 or recipe.reduce_bytes > recipe.grad_bytes
     line = _Link()
     t, flying, ends = 0.0, [], []
-    unpack, pack = cost.gather / bw, cost.pack / bw
+    unpack, unpack_back, pack = cost.gather / bw, cost.gather_back / bw, cost.pack / bw
     for i in range(min(schedule.micro_batches, SIMULATED)):
         t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack, upload=upload)
-        t = _pass(t, line, units, b_unit, g, pf, reduce, flying, bounded, unpack, pack,
+        t = _pass(t, line, units, b_unit, g_back, pf, reduce, flying, bounded, unpack_back, pack,
                   (cost.land if i == 0 else cost.land_more) / bw + across + down, upload)
         t = _land(t, flying)  # a backward ends once its reductions landed: shards hold .grad
         ends.append(t)
@@ -247,23 +275,24 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     compute = a * (1 + 2 + recompute) * fwd
     tp_comm = a * model.layers * (4 + 2 * ckpt) * tp_ar
     copies = cost.per_step(units, a) / bw
-    per_pass = units * (gather if stage == 3 else 0.0)
-    comm = a * (2 * per_pass + units * (reduce + across)) + post
+    gathers = units * (gather + gather_back) if stage == 3 else 0.0
+    comm = a * (gathers + units * (reduce + across)) + post
     pcie = units * (a * (down + 2 * upload) + back)
     if not cluster.network.overlap:
         t = compute + tp_comm + optimizer + copies + comm + pcie
     return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, copies, comm,
                     max(0.0, t - compute - tp_comm - optimizer - copies - pcie),
-                    work.tokens * a / tp / t, a * units * across, pcie)
+                    work.tokens * a / tp / t, a * units * across, pcie,
+                    a * units * gather_back if k2 is not None and stage == 3 else 0.0)
 
 
 def step_times(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
                blocks_per_unit: int = 1, prefetch: int = 1, micro_batches: int = 1,
                tp: int = 1, shard_group: int | None = None,
-               offload: str | None = None) -> list[StepTime]:
-    """One :class:`StepTime` per strategy, DDP first; ``offload`` as far as each
-    strategy takes it (``offload.offload_at``)."""
+               offload: str | None = None, zeropp: ZeroPP | None = None) -> list[StepTime]:
+    """One :class:`StepTime` per strategy, DDP first; ``offload`` and ``zeropp`` as far
+    as each strategy takes them (``offload.offload_at``, ``ZeroPP.at``)."""
     return [step_time(model, recipe, work, gpus, cluster,
                       Schedule(s, blocks_per_unit, prefetch, micro_batches, tp, shard_group,
-                               offload_at(s, offload)))
+                               offload_at(s, offload), zeropp and zeropp.at(s)))
             for s in range(4)]

@@ -145,12 +145,14 @@ def accumulation(args, work: Workload, tp: int) -> int:
     return total // (dp * work.tokens)
 
 
-def run_time(args, model, recipe, work) -> list:
-    """One StepTime per strategy for the plan's workload."""
+def run_time(args, model, recipe, work, zeropp=None) -> list:
+    """One StepTime per strategy for the plan's workload (``zeropp`` as far as each
+    strategy takes it)."""
     tp = args.tp or 1
     return step_times(model, recipe, work, args.gpus, cluster(args), args.blocks_per_unit,
                       1 if args.prefetch is None else args.prefetch,
-                      accumulation(args, work, tp), tp, shard_group(args), args.offload)
+                      accumulation(args, work, tp), tp, shard_group(args), args.offload,
+                      zeropp)
 
 
 def run_recommend(args, model, recipe, budget):
