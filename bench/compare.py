@@ -90,6 +90,8 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
             options["config"] = {"check_collectives": False}
         elif impl.endswith("-hybrid2"):  # shard groups of 2, replicated across
             options["shard_group"] = 2
+        elif impl.endswith("-hpz2"):  # ZeRO++ hpZ: backward gathers in groups of 2
+            options["secondary_group"] = 2
         net = zs.shard(model, stage=int(impl.split("-")[1]), **options)
         opt = torch.optim.AdamW(net.parameters(), lr=lr)
     elif impl in ("ddp", "ddp+zero"):
@@ -126,9 +128,12 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
     elif impl.startswith("deepspeed"):
         import deepspeed
 
-        stage = int(impl[-1])
+        stage = int(impl.split("-")[1])
+        zero = {"stage": stage}
+        if impl.endswith("-hpz2"):  # ZeRO++ hpZ (its MiCS is removed in 0.19)
+            zero["zero_hpz_partition_size"] = 2
         config = {"train_micro_batch_size_per_gpu": batch // world,
-                  "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage}}
+                  "gradient_accumulation_steps": 1, "zero_optimization": zero}
         # the same torch AdamW as everyone else, so all train the same function
         engine, opt, _, _ = deepspeed.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=lr), config=config)

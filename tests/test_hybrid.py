@@ -232,13 +232,13 @@ def test_checkpoints_load_across_groupings_n_and_stages(tmp_path):
 
 
 def _hpz():
-    """Stage 3 over 4 with secondary groups of 2 (hpZ), against plain stage 3; and the
-    ledger's backward gathers inside the secondary group."""
+    """Stage 3 over 4 with secondary groups of 2 (hpZ), against plain stage 3 (10 AdamW
+    steps); and the ledger's backward gathers inside the secondary group."""
     out = {}
     for k2 in (None, 2):
         net = zs.shard(cases.build("mlp"), stage=3, secondary_group=k2)
         opt = cases.make_optimizer("adamw", net.named_parameters(), 1e-2)
-        for step in range(20):
+        for step in range(10):
             net(*cases.batch("mlp", step)).backward()
             opt.step()
             opt.zero_grad()
@@ -258,10 +258,8 @@ def test_hpz_gathers_backward_inside_the_secondary_group():
     from zeroshard.plan.memory import ring_one_way
 
     r = spawn(_hpz, 4, timeout=300)
-    ref = spawn(_ddp20, 4, timeout=120)[0]
-    for rank in r:
-        assert cases.bit_equal(rank[2]["weights"], rank[None]["weights"])  # same bits
-    assert cases.max_rel_diff(r[0][2]["weights"], ref) < cases.TOL
+    for rank in r:  # the same bits as plain stage 3 (itself within 1e-6 of DDP, above)
+        assert cases.bit_equal(rank[2]["weights"], rank[None]["weights"])
     levels, slots = r[0][2]["levels"], r[0][2]["slots"]
     # forward: every unit gathered over the 4; backward: over the 2 of the secondary group
     assert levels["inside"]["all_gather"] == {
@@ -271,10 +269,6 @@ def test_hpz_gathers_backward_inside_the_secondary_group():
     assert r[0][None]["levels"]["inside"]["all_gather"]["calls"] == 2 * len(slots)
     # after the forward each rank keeps half of every unit's 4 slots for its backward
     assert r[0][2]["kept"] == sum(4 * 2 * s for s in slots) and r[0][None]["kept"] == 0
-
-
-def _ddp20():
-    return cases.train("mlp", "ddp", steps=20)[0]
 
 
 def test_hpz_needs_stage_3_and_a_divisor():
