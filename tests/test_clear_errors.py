@@ -133,11 +133,11 @@ def test_one_process_is_singular():
 def test_a_deepspeed_warning_is_one_line(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True},
-                                "fp16": {"enabled": False}}))
+                                "fp16": {"enabled": False, "loss_scale_window": 500}}))
     assert main(["train", "--config", str(path), "--nproc", "0"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0] == ("zeroshard train: warning: DeepSpeed config keys ignored by zeroshard: "
-                      "fp16, zero_optimization.overlap_comm"), err
+                      "fp16.loss_scale_window, zero_optimization.overlap_comm"), err
     assert err[1:] == ["zeroshard train: error: nproc=0 must be a positive number"], err
 
 

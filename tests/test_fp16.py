@@ -132,3 +132,10 @@ def test_fp16_without_a_scaler_is_refused_at_the_first_step(ranks):
 def test_bad_scaler_settings_are_named():
     with pytest.raises(ValueError, match=r"GradScaler: backoff_factor=2 is out of range"):
         zs.GradScaler(object(), backoff_factor=2)
+
+
+def test_deepspeed_fp16_block_turns_fp16_on():
+    ds = {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}
+    assert zs.ZeroConfig.from_dict(ds).mixed_precision == "fp16"
+    with pytest.raises(ValueError, match="bf16.enabled and fp16.enabled are both true"):
+        zs.ZeroConfig.from_dict({**ds, "bf16": {"enabled": True}})

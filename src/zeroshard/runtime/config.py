@@ -21,6 +21,7 @@ _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adam
 DEEPSPEED_KEYS = {
     "zero_optimization.stage": "stage",
     "bf16.enabled": "mixed_precision",
+    "fp16.enabled": "mixed_precision",  # the loss scaler's keys are zs.GradScaler's
     "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
@@ -29,7 +30,7 @@ DEEPSPEED_KEYS = {
     "zero_optimization.zero_quantized_weights": "quantize_weights",
     "zero_optimization.zero_quantized_gradients": "quantize_grads",
 }
-_DEEPSPEED_SECTIONS = ("zero_optimization", "bf16")
+_DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
 
 
 def is_deepspeed(d: dict) -> bool:
@@ -253,12 +254,16 @@ class ZeroConfig:
         kwargs = {"stage": 0}  # DeepSpeed's default: no ZeRO
         for key, name in DEEPSPEED_KEYS.items():
             section, _, leaf = key.partition(".")
-            if leaf in sections[section]:
+            if leaf in sections[section] and name != "mixed_precision":
                 kwargs[name] = sections[section][leaf]
-        bf16 = kwargs.pop("mixed_precision", False)
-        if not isinstance(bf16, bool):
-            raise ValueError(f"bf16.enabled={bf16!r} must be true or false")
-        kwargs["mixed_precision"] = "bf16" if bf16 else None
+        enabled = {}
+        for half in ("bf16", "fp16"):
+            enabled[half] = sections[half].get("enabled", False)
+            if not isinstance(enabled[half], bool):
+                raise ValueError(f"{half}.enabled={enabled[half]!r} must be true or false")
+        if enabled["bf16"] and enabled["fp16"]:
+            raise ValueError("bf16.enabled and fp16.enabled are both true; enable one")
+        kwargs["mixed_precision"] = next((h for h in ("bf16", "fp16") if enabled[h]), None)
         for name in ("param_persistence_threshold", "prefetch_bucket_size",
                      "reduce_bucket_size"):  # DeepSpeed configs write sizes as 5e8
             v = kwargs.get(name)
