@@ -126,18 +126,31 @@ def test_bytes_per_level(grid, k, stage):
         ring_all_reduce(4 * w, reps) for w in width)}}, levels
 
 
-def _bad_group():
-    try:
-        zs.shard(cases.build("mlp"), stage=3, shard_group=3)
-    except ValueError as exc:
-        return str(exc)
-    return "accepted"
+def _bad_groups():
+    """A group size that does not divide N, a mesh with other dims; a real 2 x 2 mesh
+    with the right dims is hybrid sharding over its shard dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    for spec in (3, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))):
+        try:
+            zs.shard(cases.build("mlp"), stage=3, shard_group=spec)
+            out.append("accepted")
+        except ValueError as exc:
+            out.append(str(exc))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = zs.shard(cases.build("mlp"), stage=3, shard_group=mesh)
+    out.append((net.comm.shard_world, net.comm.replica_world))
+    return out
 
 
-def test_a_group_that_does_not_divide_n_is_named():
-    msg = spawn(_bad_group, 4, timeout=60)[0]
+def test_bad_groups_are_named_and_a_mesh_is_taken():
+    bad, mesh, good = spawn(_bad_groups, 4, timeout=120)[0]
     assert "shard_group=3 gives shard groups of 3 ranks, which do not divide the 4 " \
-           "data-parallel ranks; expected one of [1, 2, 4]" in msg, msg
+           "data-parallel ranks; expected one of [1, 2, 4]" in bad, bad
+    assert "shard_group: a DeviceMesh with dims ('dp', 'tp'); expected dims ('replicate', " \
+           "'shard')" in mesh, mesh
+    assert good == (2, 2)
     with pytest.raises(ValueError, match=r"shard_group=0; expected None, an integer >= 1"):
         zs.ZeroConfig(shard_group=0)
     assert dist.is_available() and torch.__version__
