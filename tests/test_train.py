@@ -305,6 +305,16 @@ def test_fp16_trains_with_dynamic_loss_scaling():
     assert all(x == x for x in losses) and losses[-1] < losses[0] - 0.5, losses
 
 
+def test_the_traffic_table_plans_zeropp(capfd):
+    """qwZ and qgZ: the planned row is the planner's quantized bytes, equal to the sent."""
+    assert main(["train", "--nproc", "2", "--model", "tiny", "--steps", "2", "--batch", "4",
+                 "--eval-every", "100", "--sample-chars", "0", "--quantize-weights",
+                 "--quantize-grads"]) == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[3].strip()
+            for line in capfd.readouterr().out.splitlines() if line.count("│") == 4}
+    assert rows["total"] == rows["planned"] and float(rows["total"]) > 0, rows
+
+
 def test_engine_flags_reach_the_ranks(capfd):
     assert main(["train", "--nproc", "2", "--model", "tiny", "--steps", "2", "--batch", "4",
                  "--eval-every", "2", "--sample-chars", "0", "--stage", "1", "--precision",

@@ -220,7 +220,8 @@ def train(cfg: TrainConfig) -> dict:
         profile_report(model, cfg, gpt_cfg, micro, rank, out)
     memories = [None] * world
     dist.all_gather_object(memories, held[0] if held else model.memory(optimizer))
-    out.summary(memories, comm, model.zero_config.recipe, model.comm.shard_world)
+    out.summary(memories, comm, model.zero_config.recipe, model.comm.shard_world,
+                [sum(p.numel() for p in u.params) for u in model.units])
     if cfg.sample_chars:
         prompt = torch.tensor([list(b"The ")], device=device)
         g = torch.Generator().manual_seed(cfg.seed)

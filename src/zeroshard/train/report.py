@@ -4,11 +4,13 @@ a text sample."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..plan.comm import comm_bytes, ring_one_way, shard_degree
+from ..plan.comm import ZeroPP, comm_bytes, ring_one_way, shard_degree
 from ..plan.memory import model_state_bytes
 from .config import processes
 
@@ -16,13 +18,16 @@ MB = 1e6
 
 
 def planned_comm(params: int, world: int, recipe, stage: int, accum: int,
-                 shard_group: int | None = None) -> int:
+                 shard_group: int | None = None, zeropp=None,
+                 units: list[int] | None = None) -> int:
     """Bytes a rank sends per step as planned, with ``accum`` micro-batches per step:
     every backward reduces its gradients (the loop never skips communication with
     ``no_sync``; under hybrid sharding the all-reduce across groups follows each), and
     at stage 3 every forward and backward gathers the weights; stages 1-2 gather once,
-    after the step. One micro-batch: the planner's figure."""
-    once = comm_bytes(params, world, recipe, stage, shard_group=shard_group)
+    after the step. One micro-batch: the planner's figure (``zeropp``: hpZ and the
+    quantized collectives, planned per unit of ``units`` elements)."""
+    once = comm_bytes(params, world, recipe, stage, shard_group=shard_group, zeropp=zeropp,
+                      units=units)
     if stage in (1, 2):
         k = shard_degree(world, 1, shard_group)
         return accum * once - (accum - 1) * ring_one_way(recipe.weight_bytes * params, k)
@@ -93,9 +98,11 @@ class Reporter:
         if self.enabled and self.progress is not None:
             self.progress.stop()
 
-    def summary(self, memories: list[dict], comm: dict, recipe, shard_world: int) -> None:
+    def summary(self, memories: list[dict], comm: dict, recipe, shard_world: int,
+                units: list[int] | None = None) -> None:
         """Memory per rank and traffic per step, measured beside planned; ``shard_world``:
-        the ranks each shard group holds (the world, unless sharding is hybrid)."""
+        the ranks each shard group holds (the world, unless sharding is hybrid);
+        ``units``: each unit's elements (hpZ and quantized slots are planned per unit)."""
         if not self.enabled:
             return
         stage, z = self.cfg.zero.stage, self.cfg.zero
@@ -114,10 +121,18 @@ class Reporter:
                       *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
         self.console.print(t)
         steps = max(1, self.steps_done)
-        planned = planned_comm(self.params, self.world, recipe, stage, self.accum, group)
-        # the planner does not model these: its figure would mislead
-        unplanned = [f for f in ("quantize_weights", "quantize_grads", "secondary_group")
-                     if getattr(z, f, None)]
+        zeropp = ZeroPP(z.secondary_group, z.quantize_weights, z.quantize_grads,
+                        z.quant_block)
+        plan_recipe = recipe
+        if z.quantize_grads and z.reduce_dtype is None and group is None:
+            # the engine's default reduction, which the planner implies under qgZ (with
+            # shard groups the exact all-reduce across them needs the reduce dtype: n/a)
+            plan_recipe = replace(recipe, reduce_dtype=None)
+        try:
+            planned = planned_comm(self.params, self.world, plan_recipe, stage, self.accum,
+                                   group, zeropp, units)
+        except ValueError:  # a combination the planner does not plan: say so
+            planned = "n/a (qgZ with shard groups)"
         t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
                   title_justify="left")
         for col in ("collective", "calls/step", "MB/step"):
@@ -128,7 +143,7 @@ class Reporter:
         sent = sum(s["bytes"] for kind, s in comm.items() if kind != "check")
         t.add_row("total", "", f"{sent / steps / MB:.3f}")
         t.add_row("planned", f"{self.accum} micro-batches" if self.accum > 1 else "",
-                  f"n/a ({', '.join(unplanned)})" if unplanned else f"{planned / MB:.3f}")
+                  planned if isinstance(planned, str) else f"{planned / MB:.3f}")
         self.console.print(t)
 
     def profile(self, folder, statements, plan, measured, peak_total, planned_total) -> None:
