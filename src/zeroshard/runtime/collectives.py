@@ -131,9 +131,9 @@ class Collectives:
         divisor = n if mean and self.replica_group is None else None  # hybrid: after across
         if self.quant_grads and k > 1:  # qgZ: an all-to-all of int8 blocks, summed in fp32
             def call():
-                work = quantized_reduce_scatter(out.view(-1), inp.view(-1), self.reduce_group,
-                                                self.quant_block, async_op=True)
-                return _Then(work, then=lambda: divisor and out.div_(divisor))
+                return quantized_reduce_scatter(out.view(-1), inp.view(-1), self.reduce_group,
+                                                self.quant_block, mean_divisor=divisor,
+                                                async_op=True)
             inside = self._issue("reduce_scatter", inp, unit, call, True,
                                  nbytes=k * quantized_nbytes(out.numel(), self.quant_block))
         elif self._on_gloo(inp):  # [Note: gloo]
@@ -147,7 +147,7 @@ class Collectives:
             def call():
                 work = _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
                                        async_op=True)
-                return _Then(work, then=lambda: divisor and out.div_(divisor))
+                return _Then(work, then=(lambda: out.div_(divisor)) if divisor else None)
             inside = self._issue("reduce_scatter", inp, unit, call, True)
         return self._then_across(inside, out.view(-1), n if mean else None, unit, True,
                                  async_op)
