@@ -290,3 +290,27 @@ def test_hpz_needs_stage_3_and_a_divisor():
     with pytest.raises(ValueError, match=r"secondary_group=3 does not divide the shard "
                                          r"group's 4 ranks; expected one of \[1, 2, 4\]"):
         secondary_size(3, 4)
+
+
+def _hpz_forward_without_backward():
+    """A forward with gradients enabled and no backward (an evaluation that forgot
+    no_grad) leaves hpZ's secondary copies behind; new weights are then loaded. The
+    next forward must gather the new weights, not the stale copies."""
+    out = {}
+    fresh = {k: v + 0.5 for k, v in cases.build("mlp").state_dict().items()}
+    for k2 in (None, 2):
+        net = zs.shard(cases.build("mlp"), stage=3, secondary_group=k2)
+        opt = cases.make_optimizer("adamw", net.named_parameters(), 1e-2)
+        net(*cases.batch("mlp", 0))  # no backward
+        net.load_state_dict(fresh)
+        for step in range(2):
+            net(*cases.batch("mlp", step)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[k2] = net.full_state_dict()
+    return out
+
+
+def test_hpz_never_gathers_a_stale_secondary_copy():
+    for r in spawn(_hpz_forward_without_backward, 4, timeout=120):
+        assert cases.bit_equal(r[2], r[None])

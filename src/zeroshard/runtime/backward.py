@@ -95,6 +95,7 @@ class Reducer:
         for u in self.units:
             if u.policy.shards_params and u.state is not UnitState.SHARDED:
                 u.release()  # used by no backward this step, or prefetched and unused
+            u.w_secondary = None  # hpZ: a unit this backward did not reach keeps none
 
     def finalize(self, unreduced: bool) -> None:
         """Finish every reduction and give each shard its gradient; ``unreduced``: the

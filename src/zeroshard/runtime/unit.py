@@ -129,7 +129,10 @@ class Unit(UnitStep, UnitView):
             return
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
-        if self.w_secondary is not None:  # hpZ: inside the secondary group only
+        if self.w_secondary is not None and torch._C._current_graph_task_id() != -1:
+            # hpZ, in backward: inside the secondary group only (a forward always gathers
+            # the shards: a secondary copy left by a forward no backward used is stale
+            # once the weights change)
             work = self.comm.all_gather(out, self.w_secondary, async_op=True, unit=self.index,
                                         secondary=True)
         else:
