@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from zeroshard._version import __version__
 
 # name -> module that defines it; imported on first attribute access (PEP 562).
 _LAZY = {

@@ -11,6 +11,8 @@ import os
 import sys
 import warnings
 
+from zeroshard._version import __version__
+
 # subcommand -> (module with add_arguments(parser) and run(args), one-line help)
 COMMANDS = {
     "plan": ("zeroshard.plan.command", "memory and communication per GPU before a run"),
@@ -33,6 +35,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the ``selected`` subcommand's module is imported."""
     parser = _Parser(prog="zeroshard", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
