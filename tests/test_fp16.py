@@ -22,6 +22,26 @@ STEPS, OVERFLOW = 12, (4, 5, 9)  # steps whose batch rank 1 multiplies by inf
 SETTINGS = {"init_scale": 2.0 ** 10, "growth_interval": 3}
 
 
+# DeepSpeed fp16 blocks and the scales DeepSpeed 0.19.8's own DynamicLossScaler.update_scale
+# gives after each step for overflows at OVERFLOW (fed the same flags; measured): its rule
+# grows when the steps since the last overflow, less one, are a positive multiple of the
+# window, and a shrink does not refill the hysteresis budget (so step 9 halves without
+# consecutive_hysteresis, which refills it on every good step).
+_DS = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 3, "hysteresis": 2}
+DEEPSPEED_BLOCKS = {
+    "dynamic": _DS,
+    "consecutive": {**_DS, "consecutive_hysteresis": True},
+    "static": {"enabled": True, "loss_scale": 256},
+}
+DEEPSPEED_SCALES = {
+    "dynamic": [1024.0, 1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 1024.0, 1024.0, 512.0,
+                512.0, 512.0],
+    "consecutive": [1024.0, 1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 1024.0, 1024.0,
+                    1024.0, 1024.0, 1024.0],
+    "static": [256.0] * STEPS,
+}
+
+
 def _batch(step):
     x, y = cases.batch("mlp", step)
     if step in OVERFLOW and dist.get_rank() == 1:
@@ -29,10 +49,11 @@ def _batch(step):
     return x, y
 
 
-def _zeroshard(stage, hysteresis=1):
+def _zeroshard(stage, hysteresis=1, deepspeed=None):
     net = zs.shard(cases.build("mlp"), stage=stage, mixed_precision="fp16")
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    scaler = zs.GradScaler(net, hysteresis=hysteresis, **SETTINGS)
+    scaler = (zs.GradScaler(net, hysteresis=hysteresis, **SETTINGS) if deepspeed is None
+              else zs.GradScaler.from_deepspeed(net, {"fp16": deepspeed}))
     skipped, scales, untouched = [], [], []
     for step in range(STEPS):
         before = net.full_state_dict()
@@ -83,7 +104,9 @@ def _no_scaler():
 
 def _grid():
     return {"ddp": _ddp(), 1: _zeroshard(1), 3: _zeroshard(3), "hysteresis": _zeroshard(3, 2),
-            "no scaler": _no_scaler()}
+            "no scaler": _no_scaler(),
+            **{("deepspeed", name): _zeroshard(2, deepspeed=block)
+               for name, block in DEEPSPEED_BLOCKS.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +143,44 @@ def test_hysteresis_2_shrinks_only_at_the_second_overflow_in_a_row(ranks):
                 scale, good = scale * 2, 0
         want.append(scale)
     assert got["scales"] == want
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSPEED_BLOCKS))
+def test_deepspeed_fp16_block_gives_deepspeeds_skips_and_scales(ranks, name):
+    for r in ranks:
+        got = r[("deepspeed", name)]
+        assert got["skipped"] == [s in OVERFLOW for s in range(STEPS)]
+        assert got["scales"] == DEEPSPEED_SCALES[name], got["scales"]
+        assert got["untouched"] == [True] * len(OVERFLOW) and got["finite"]
+
+
+def test_deepspeed_scale_sequences_are_deepspeeds_own(monkeypatch):
+    """The sequences above, regenerated from DeepSpeed's class where it is installed (its
+    log lines ask deepspeed.comm for the rank, which here has no group: rank 0)."""
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)
+    for name, block in DEEPSPEED_BLOCKS.items():
+        if "loss_scale" in block:
+            continue
+        ds = loss_scaler.DynamicLossScaler(2.0 ** 10, 3, 1, 2,
+                                           block.get("consecutive_hysteresis", False))
+        scales = []
+        for s in range(STEPS):
+            ds.update_scale(s in OVERFLOW)
+            scales.append(ds.cur_scale)
+        assert scales == DEEPSPEED_SCALES[name]
+
+
+def test_deepspeed_fp16_block_is_checked():
+    with pytest.raises(ValueError, match=r"needs a DeepSpeed config whose fp16 block"):
+        zs.GradScaler.from_deepspeed(object(), {"bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match=r"fp16.loss_scale=-1; expected 0 \(dynamic\)"):
+        zs.GradScaler.from_deepspeed(object(), {"fp16": {"enabled": True, "loss_scale": -1}})
+    with pytest.raises(ValueError, match=r"fp16.hysteresis='2' must be a number"):
+        zs.GradScaler.from_deepspeed(object(), {"fp16": {"enabled": True, "hysteresis": "2"}})
+    with pytest.raises(ValueError, match=r"fp16.loss_scale_window gives growth_interval=0 is"):
+        zs.GradScaler.from_deepspeed(object(), {"fp16": {"enabled": True,
+                                                         "loss_scale_window": 0}})
 
 
 def test_fp16_without_a_scaler_is_refused_at_the_first_step(ranks):

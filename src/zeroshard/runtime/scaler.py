@@ -10,6 +10,15 @@ exchange of a flag per rank (``nonfinite.py``), and every rank skips the same st
 keeps the same S. ``hysteresis`` (DeepSpeed's) lets that many overflows in a row pass
 before S shrinks; 1 is torch's rule.
 
+``GradScaler.from_deepspeed(model, config)`` reads DeepSpeed's ``fp16`` block and follows
+DeepSpeed's own rule (``DynamicLossScaler.update_scale``) to the step, so a run moved
+from DeepSpeed skips the same steps at the same scales: ``loss_scale`` > 0 is a static
+scale (overflowing steps are still skipped), 0 dynamic from ``2**initial_scale_power``;
+the scale grows when the steps since the last overflow, less one, are a positive
+multiple of ``loss_scale_window``; the hysteresis budget refills on every good step
+(``consecutive_hysteresis``) or only when the scale grows, and is not refilled by a
+shrink, so once spent every further overflow in a row halves the scale.
+
     scaler = zs.GradScaler(model)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)          # optional: before model.clip_grad_norm_
@@ -19,8 +28,11 @@ before S shrinks; 1 is torch's rule.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from .._jsonfile import read_json_object
 from .nonfinite import first_bad_unit
 
 
@@ -29,7 +41,8 @@ class GradScaler:
 
     def __init__(self, model, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
-                 hysteresis: int = 1, min_scale: float = 1.0, enabled: bool = True):
+                 hysteresis: int = 1, min_scale: float = 1.0, enabled: bool = True,
+                 dynamic: bool = True):
         for name, value, ok in (("init_scale", init_scale, init_scale > 0),
                                 ("growth_factor", growth_factor, growth_factor > 1),
                                 ("backoff_factor", backoff_factor, 0 < backoff_factor < 1),
@@ -40,7 +53,8 @@ class GradScaler:
                 raise ValueError(f"GradScaler: {name}={value!r} is out of range (init_scale, "
                                  "min_scale > 0; growth_factor > 1; 0 < backoff_factor < 1; "
                                  "growth_interval, hysteresis >= 1)")
-        self.model, self.enabled = model, enabled
+        self.model, self.enabled, self.dynamic = model, enabled, dynamic
+        self._deepspeed: dict | None = None  # DeepSpeed's rule: its counters, else None
         self._scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.hysteresis, self.min_scale = (
@@ -87,12 +101,18 @@ class GradScaler:
 
     def update(self) -> None:
         """Shrink the scale after ``hysteresis`` overflows in a row; grow it after
-        ``growth_interval`` good steps in a row (torch's rule, DeepSpeed's hysteresis)."""
+        ``growth_interval`` good steps in a row (torch's rule, DeepSpeed's hysteresis;
+        DeepSpeed's own rule after :meth:`from_deepspeed`; a static scale stays)."""
         if not self.enabled:
             return
         if self._found_inf is None:
             raise RuntimeError("update() before step(): nothing to update from")
-        if self._found_inf:
+        found_inf, self._found_inf = self._found_inf, None
+        if not self.dynamic:
+            return
+        if self._deepspeed is not None:
+            self._update_deepspeed(found_inf)
+        elif found_inf:
             self._good = 0
             self._overflows += 1
             if self._overflows >= self.hysteresis:
@@ -104,11 +124,80 @@ class GradScaler:
             if self._good == self.growth_interval:
                 self._scale *= self.growth_factor
                 self._good = 0
-        self._found_inf = None
+
+    def _update_deepspeed(self, overflow: bool) -> None:
+        """DeepSpeed's ``DynamicLossScaler.update_scale``, step for step."""
+        ds = self._deepspeed
+        if overflow:
+            if self.hysteresis == 1 or ds["left"] == 1:
+                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+            else:
+                ds["left"] -= 1
+            ds["last_overflow"] = ds["iter"]
+        else:
+            if ds["consecutive"]:
+                ds["left"] = self.hysteresis
+            stable = ds["iter"] - ds["last_overflow"] - 1
+            if stable > 0 and stable % self.growth_interval == 0:
+                if not ds["consecutive"]:
+                    ds["left"] = self.hysteresis
+                self._scale *= self.growth_factor
+        ds["iter"] += 1
+
+    @classmethod
+    def from_deepspeed(cls, model, config) -> GradScaler:
+        """A scaler from a DeepSpeed config (a dict or a JSON file path) whose ``fp16``
+        block is enabled, with DeepSpeed's defaults for absent keys and its update rule."""
+        if not isinstance(config, dict):
+            config = read_json_object(config, "config")
+        block = config.get("fp16", {})
+        if not isinstance(block, dict) or block.get("enabled") is not True:
+            raise ValueError(f"fp16={block!r}: GradScaler.from_deepspeed needs a DeepSpeed "
+                             "config whose fp16 block has \"enabled\": true")
+        unknown = sorted(set(block) - set(_DEEPSPEED_FP16) - {"enabled"})
+        if unknown:
+            warnings.warn(f"DeepSpeed fp16 keys ignored by zeroshard: {', '.join(unknown)}",
+                          stacklevel=2)
+        got = {k: block.get(k, default) for k, default in _DEEPSPEED_FP16.items()}
+        for key, value in got.items():
+            kind = bool if key == "consecutive_hysteresis" else (int, float)
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise ValueError(f"fp16.{key}={value!r} must be "
+                                 f"{'true or false' if kind is bool else 'a number'}")
+        if got["loss_scale"] < 0:
+            raise ValueError(f"fp16.loss_scale={got['loss_scale']!r}; expected 0 (dynamic) "
+                             "or a positive static scale")
+        static = got["loss_scale"] > 0
+        try:
+            scaler = cls(model, init_scale=(got["loss_scale"] if static
+                                            else 2.0 ** got["initial_scale_power"]),
+                         growth_interval=got["loss_scale_window"],
+                         hysteresis=got["hysteresis"], min_scale=got["min_loss_scale"],
+                         dynamic=not static)
+        except ValueError as exc:  # name the DeepSpeed key the value came from
+            message = str(exc).removeprefix("GradScaler: ")
+            for key, name in (("initial_scale_power", "init_scale"),
+                              ("loss_scale_window", "growth_interval"),
+                              ("min_loss_scale", "min_scale")):
+                message = message.replace(f"{name}=", f"fp16.{key} gives {name}=", 1)
+            raise ValueError(message) from None
+        scaler._deepspeed = {"iter": 0, "last_overflow": -1, "left": got["hysteresis"],
+                             "consecutive": got["consecutive_hysteresis"]}
+        return scaler
 
     def state_dict(self) -> dict:
-        return {"scale": self._scale, "good": self._good, "overflows": self._overflows}
+        state = {"scale": self._scale, "good": self._good, "overflows": self._overflows}
+        if self._deepspeed is not None:
+            state["deepspeed"] = dict(self._deepspeed)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._scale, self._good, self._overflows = (float(state["scale"]), int(state["good"]),
                                                      int(state["overflows"]))
+        if self._deepspeed is not None and "deepspeed" in state:
+            self._deepspeed = dict(state["deepspeed"])
+
+
+#: DeepSpeed's fp16 keys (``deepspeed.runtime.constants``) with DeepSpeed's defaults.
+_DEEPSPEED_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                   "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
