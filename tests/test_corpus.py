@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from zeroshard.corpus import DataError, open_corpus, prepare_corpus  # noqa: E402
+from zeroshard.corpus import DataError, PreparedCorpus, open_corpus, prepare_corpus  # noqa: E402
 from zeroshard.corpus.cache import cache_root  # noqa: E402
 from zeroshard.corpus.order import permute  # noqa: E402
 from zeroshard.corpus.sources import Source, read_pieces  # noqa: E402
@@ -33,19 +33,27 @@ def docs() -> list[str]:
     return [_document(rng, i) for i in range(120)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, docs):
+def _bpe(docs: list[str]):
+    """A byte-level BPE of 400 ids trained on ``docs``; id 0 is ``<eos>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer)
-    d = tmp_path_factory.mktemp("model")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(d)
-    return d
+    return tok
+
+
+def _save(tok, folder, **special):
+    from transformers import PreTrainedTokenizerFast
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, docs):
+    return _save(_bpe(docs), tmp_path_factory.mktemp("model"), eos_token="<eos>")
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +282,39 @@ def test_bad_inputs_each_give_one_line(tmp_path, model_dir):
                model_dir, tmp_path, val_fraction=bad)
     _fails(r"token_dtype='int8' is not a token file dtype; accepted: uint16, uint32",
            tmp_path / "odd.bin", model_dir, tmp_path, token_dtype="int8")
+
+
+def test_boundary_is_eos_else_bos_else_refused(tmp_path, docs):
+    tok = _bpe(docs[:20])
+    (tmp_path / "a.txt").write_text(docs[0] * 30)
+    bos = _save(tok, tmp_path / "bos", bos_token="<eos>")
+    assert prepare_corpus(tmp_path / "a.txt", bos, cache_dir=tmp_path / "c",
+                          progress=False).eos_id == 0
+    _fails(r"the tokenizer in '.*none' has neither an EOS nor a BOS token", tmp_path / "a.txt",
+           _save(tok, tmp_path / "none"), tmp_path)
+
+
+def test_vocabulary_and_dtype_checks(tmp_path, model_dir):
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps " * 200)
+    _fails(r"the tokenizer gives id \d+, outside the model's vocabulary of 100;",
+           tmp_path / "a.txt", model_dir, tmp_path, vocab_size=100)
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    _fails(r"token_dtype='uint16' cannot hold a vocabulary of 70,000 ids", tmp_path / "t.bin",
+           model_dir, tmp_path, token_dtype="uint16", vocab_size=70_000)
+    j = tmp_path / "list.json"
+    j.write_text('[{"text": "a"}]\n')
+    _fails(r"list.json:1 is a JSON list, not an object; each line holds an object with the "
+           r"text in 'text'", j, model_dir, tmp_path)
+
+
+def test_prepared_corpus_travels_as_json_and_damaged_cache_is_rebuilt(tmp_path, docs,
+                                                                       model_dir):
+    import pickle
+    data = _text_folder(tmp_path / "data", docs[:30])
+    info = prepare_corpus(data, model_dir, cache_dir=tmp_path / "cache", progress=False)
+    assert PreparedCorpus.from_json(info.to_json()) == info == pickle.loads(pickle.dumps(info))
+    assert len(info.to_json()) < 1000
+    with open(os.path.join(info.cache, "tokens.bin"), "r+b") as f:
+        f.truncate(10)
+    again = prepare_corpus(data, model_dir, cache_dir=tmp_path / "cache", progress=False)
+    assert again.built and again == PreparedCorpus(**{**vars(info), "built": True})

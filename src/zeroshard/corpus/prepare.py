@@ -12,9 +12,11 @@ not used, and its other ``.bin`` files are not read).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,6 @@ from .tokenfile import check_vocabulary, choose_dtype, largest_id, nearest_bound
 from .tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
-_Splits = tuple[tuple["Segment", ...], tuple["Segment", ...]]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Segment:
     dtype: str
     start: int
     stop: int
+
+
+_Splits = tuple[tuple[Segment, ...], tuple[Segment, ...]]
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,17 @@ class PreparedCorpus:
     documents: int | None  # documents in the corpus; None for token files
     cache: str | None  # the cache entry's folder; None for token files
     built: bool
+
+    def to_json(self) -> str:
+        """One line of JSON, for handing to ranks through the environment or a file."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> PreparedCorpus:
+        fields = json.loads(text)
+        for split in SPLITS:
+            fields[split] = tuple(Segment(**s) for s in fields[split])
+        return cls(**fields)
 
     def tokens(self, split: str) -> int:
         return sum(s.stop - s.start for s in self.segments(split))
@@ -99,6 +114,11 @@ def _cut(segments: list[Segment], fraction: float,
 def _text(path, sources, tok: Tokenizer, field, fraction, root, vocab, dtype, progress):
     key = cache_key("text", sources, tok.digest, field, dtype, tok.boundary)
     meta, built = read_entry(root, key), False
+    tokens = root / key / "tokens.bin"
+    if meta is not None and (not tokens.is_file() or tokens.stat().st_size !=
+                             meta["tokens"] * np.dtype(dtype).itemsize):
+        shutil.rmtree(root / key)  # a damaged entry (a file removed or cut): build it anew
+        meta = None
     if meta is None:
         total = sum(s.size for s in sources)
         with progress_bar(progress, total, f"tokenizing {Path(path).name}") as advance:

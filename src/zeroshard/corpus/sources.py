@@ -152,9 +152,11 @@ def _json_pieces(src: Source, field: str) -> Iterator[Piece]:
                 why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
                 raise DataError(f"{where} is not JSON ({why}); a JSON-lines file holds one "
                                 "JSON object per line") from None
-            if not isinstance(record, dict) or field not in record:
-                has = (", ".join(list(record)[:6]) or "none") if isinstance(record, dict) \
-                    else f"a {type(record).__name__}, not an object"
+            if not isinstance(record, dict):
+                raise DataError(f"{where} is a JSON {type(record).__name__}, not an object; "
+                                f"each line holds an object with the text in {field!r}")
+            if field not in record:
+                has = ", ".join(list(record)[:6]) or "none"
                 raise DataError(f"{where} has no field {field!r} (fields: {has}); name the "
                                 "field that holds the text (field=, --data-field)")
             text = record[field]
