@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -29,7 +30,11 @@ DEEPSPEED_KEYS = {
     "zero_optimization.zero_hpz_partition_size": "secondary_group",
     "zero_optimization.zero_quantized_weights": "quantize_weights",
     "zero_optimization.zero_quantized_gradients": "quantize_grads",
+    "zero_optimization.sub_group_size": "sub_group_size",
 }
+#: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by
+#: ``_deepspeed_offload`` into ``offload`` and ``offload_dir``.
+_OFFLOAD_KEYS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
 
 
@@ -135,6 +140,21 @@ class ZeroConfig:
     HostAdamW`` steps them fast), and the updated weights return cast to the compute
     dtype on the host first; "params" (stage 3): the weight shards too, copied to the
     device as part of each unit's gather (and prefetched with it)."""
+    offload_dir: str | None = None
+    """Disk offload (ZeRO-Infinity; DeepSpeed's ``offload_optimizer`` with device "nvme"
+    and its ``nvme_path``): with ``offload`` set, the fp32 master and Adam's two moments
+    live in files in a scratch folder of their own under this existing, writable
+    directory (one per rank and model, removed when the model goes or the process exits
+    cleanly; never a checkpoint), and the optimizer step streams them through host
+    memory ``sub_group_size`` elements at a time (``zeroshard.offload.stream``). The
+    files are written in full at ``zs.shard`` time, so a disk too small is an error
+    then. None: no disk."""
+    sub_group_size: int = 100_000_000
+    """Disk offload: elements of each rank's optimizer partition stepped at once
+    (DeepSpeed's ``sub_group_size``: its default is 1e9). The host holds three
+    sub-groups of master and moments (12 bytes an element each: one read ahead, one
+    stepping, one written back) plus the stepping one's cast, whatever the model's
+    size."""
     nonfinite: str = "raise"
     """What the optimizer step does when a reduced gradient holds a NaN or inf, decided
     alike on every rank in one small exchange (free when the cycle was clipped: the
@@ -213,6 +233,7 @@ class ZeroConfig:
             raise ValueError(f"offload='params' keeps the weight shards on the host, which "
                              f"only stage 3 has; got stage={self.stage}: use stage 3 or "
                              "offload='optimizer'")
+        _check_disk(self)
         if self.nonfinite not in POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, POLICIES))}")
@@ -243,7 +264,7 @@ class ZeroConfig:
             sections[name] = d.get(name, {})
             if not isinstance(sections[name], dict):
                 raise ValueError(f"{name}={sections[name]!r} must be a JSON object")
-        handled = set(handled)
+        handled = set(handled) | set(_OFFLOAD_KEYS)
         ignored = sorted(
             [f"{s}.{k}" for s in _DEEPSPEED_SECTIONS for k in sections[s]
              if f"{s}.{k}" not in DEEPSPEED_KEYS and f"{s}.{k}" not in handled]
@@ -251,7 +272,7 @@ class ZeroConfig:
         if ignored:
             warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",
                           stacklevel=3)
-        kwargs = {"stage": 0}  # DeepSpeed's default: no ZeRO
+        kwargs = {"stage": 0, **_deepspeed_offload(sections["zero_optimization"])}
         for key, name in DEEPSPEED_KEYS.items():
             section, _, leaf = key.partition(".")
             if leaf in sections[section] and name != "mixed_precision":
@@ -265,7 +286,7 @@ class ZeroConfig:
             raise ValueError("bf16.enabled and fp16.enabled are both true; enable one")
         kwargs["mixed_precision"] = next((h for h in ("bf16", "fp16") if enabled[h]), None)
         for name in ("param_persistence_threshold", "prefetch_bucket_size",
-                     "reduce_bucket_size"):  # DeepSpeed configs write sizes as 5e8
+                     "reduce_bucket_size", "sub_group_size"):  # sizes written as 5e8
             v = kwargs.get(name)
             if isinstance(v, float) and v.is_integer():
                 kwargs[name] = int(v)
@@ -276,7 +297,8 @@ class ZeroConfig:
         try:
             return cls(**kwargs)
         except ValueError as exc:  # name the DeepSpeed key the value came from
-            message = str(exc)
+            message = str(exc).replace("offload_dir=",
+                                       "zero_optimization.offload_optimizer.nvme_path=", 1)
             for key, name in DEEPSPEED_KEYS.items():
                 if message.startswith(f"{name}="):
                     message = key + message[len(name):]
@@ -293,3 +315,60 @@ class ZeroConfig:
         if isinstance(config, (str, Path)):
             return cls.from_dict(read_json_object(config, "config"))
         raise ValueError(f"config={config!r}; expected a ZeroConfig, a dict or a JSON file path")
+
+
+def _check_disk(config: ZeroConfig) -> None:
+    """``offload_dir`` and ``sub_group_size``: one line naming what cannot be used."""
+    n = config.sub_group_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"sub_group_size={n!r} must be an integer >= 1 (elements of the "
+                         "optimizer partition stepped at once)")
+    where = config.offload_dir
+    if where is None:
+        return
+    if not isinstance(where, (str, Path)) or not str(where):
+        raise ValueError(f"offload_dir={where!r}; expected the path of a writable directory")
+    if not config.offload:
+        raise ValueError(f"offload_dir={str(where)!r} keeps the offloaded optimizer state on "
+                         "disk, but offload=None: set offload='optimizer' (or 'params')")
+    path = Path(where)
+    if not path.exists():
+        raise ValueError(f"offload_dir={str(where)!r} does not exist; expected an existing "
+                         "writable directory")
+    if not path.is_dir():
+        raise ValueError(f"offload_dir={str(where)!r} is not a directory; expected an "
+                         "existing writable directory")
+    try:  # the file system's answer, not the permission bits (root passes os.access)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"offload_dir={str(where)!r} is not writable ({exc.strerror or exc});"
+                         " expected an existing writable directory") from None
+    object.__setattr__(config, "offload_dir", str(where))
+
+
+def _deepspeed_offload(zero: dict) -> dict:
+    """``offload``/``offload_dir`` from DeepSpeed's ``offload_optimizer`` and
+    ``offload_param`` sections: device "cpu" is host memory, "nvme" files under
+    ``nvme_path`` (the optimizer's only), "none" or no section is no offload."""
+    out = {}
+    for section, mode in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
+        block = zero.get(section)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise ValueError(f"zero_optimization.{section}={block!r} must be a JSON object")
+        device = block.get("device", "none")
+        if device not in ("none", "cpu", "nvme") or (device == "nvme" and mode == "params"):
+            accepted = "'none', 'cpu' or 'nvme'" if mode == "optimizer" else "'none' or 'cpu'"
+            raise ValueError(f"zero_optimization.{section}.device={device!r}; expected "
+                             f"{accepted}")
+        if device == "none":
+            continue
+        out["offload"] = mode
+        if device == "nvme":
+            if "nvme_path" not in block:
+                raise ValueError(f"zero_optimization.{section}.device='nvme' needs nvme_path "
+                                 "(the directory the optimizer state is written to)")
+            out["offload_dir"] = block["nvme_path"]
+    return out

@@ -62,8 +62,13 @@ class ShardPolicy:
     placement: tuple[tuple[str, str], ...] = (("params", "device"), ("grads", "device"),
                                               ("optimizer", "device"))
     """Where each category lives: ``"device"`` (the rank's accelerator, the CPU on a
-    machine without one) or ``"host"`` (offloaded: separate host buffers, pinned under
-    CUDA, even where the device is the CPU itself)."""
+    machine without one), ``"host"`` (offloaded: separate host buffers, pinned under
+    CUDA, even where the device is the CPU itself) or, for the optimizer, ``"disk"``
+    (files under ``offload_dir``, streamed through host memory by the step)."""
+    offload_dir: str | None = None
+    """Disk offload: the directory the optimizer's files go under."""
+    sub_group_size: int = 0
+    """Disk offload: elements of the optimizer partition stepped at once."""
 
     @classmethod
     def for_stage(cls, stage: int) -> ShardPolicy:
@@ -78,8 +83,16 @@ class ShardPolicy:
         policy = cls.for_stage(config.stage)
         host = {"optimizer": ("optimizer",), "params": ("optimizer", "params")}.get(
             config.offload, ())
-        return replace(policy, placement=tuple((c, "host" if c in host else where)
-                                               for c, where in policy.placement))
+        disk = config.offload_dir is not None
+
+        def place(c: str, where: str) -> str:
+            if c not in host:
+                return where
+            return "disk" if disk and c == "optimizer" else "host"
+
+        return replace(policy, placement=tuple((c, place(c, w)) for c, w in policy.placement),
+                       offload_dir=config.offload_dir,
+                       sub_group_size=config.sub_group_size if disk else 0)
 
     def whole_params(self) -> ShardPolicy:
         """The same policy with the parameters kept whole on every rank: the unit of
@@ -114,9 +127,14 @@ class ShardPolicy:
 
     @property
     def offloads_optimizer(self) -> bool:
-        """The master and optimizer state live on the host: a master copy exists even
-        in fp32, and the step's gradients go to the host."""
-        return self.where("optimizer") == "host"
+        """The master and optimizer state live off the device (host or disk): a master
+        copy exists even in fp32, and the step's gradients go to the host."""
+        return self.where("optimizer") in ("host", "disk")
+
+    @property
+    def optimizer_on_disk(self) -> bool:
+        """The master and optimizer state live in files; the step streams them."""
+        return self.where("optimizer") == "disk"
 
     # -- gradients ------------------------------------------------------------------
     @property

@@ -156,16 +156,24 @@ class Readout:
     def memory(self, optimizer=None, by_placement: bool = False) -> dict:
         """Bytes on this rank per category: params, grads, optimizer (master + state of
         ``optimizer``), padding, and the transient gathered and buffers. With
-        ``by_placement``, ``{"device": {...}, "host": {...}}``: what offload keeps in
-        host memory apart (``ZeroConfig.offload``)."""
+        ``by_placement``, ``{"device": {...}, "host": {...}, "disk": {...}}``: what
+        offload keeps in host memory apart (``ZeroConfig.offload``), and what disk
+        offload keeps in files (``ZeroConfig.offload_dir``; the host then holds the
+        step's sub-group buffers)."""
         total = measure(self.units, optimizer)
+        streamed = self._disk_step.buffer_bytes() if self._disk_step is not None else 0
+        total["buffers"] += streamed  # disk offload's sub-group buffers, on the host
         if not by_placement:
             return total
-        host = dict.fromkeys(total, 0)
+        host, disk = dict.fromkeys(total, 0), dict.fromkeys(total, 0)
+        host["buffers"] += streamed
         for u in self.units:
             for c, b in u.host_bytes(optimizer).items():
                 host[c] += b
-        return {"device": {c: total[c] - host[c] for c in total}, "host": host}
+            for c, b in u.disk_bytes().items():
+                disk[c] += b
+        return {"device": {c: total[c] - host[c] - disk[c] for c in total}, "host": host,
+                "disk": disk}
 
     def comm_stats(self, reset: bool = False, by_level: bool = False) -> dict:
         """Per collective kind: calls and bytes this rank sent (ring accounting). With

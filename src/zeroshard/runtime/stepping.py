@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..offload.stream import DiskStep, after_streamed_step, check_streamable
 from . import nonfinite
 from .clip import check_clip_args, clip_grad_norm
 from .cycle import CycleState
@@ -29,6 +30,9 @@ class Stepping:
         """Steps skipped for non-finite gradients (``nonfinite="skip"``)."""
         self.last_step_skipped = False
         """Whether the latest optimizer step was skipped for non-finite gradients."""
+        self._disk_step = None  # disk offload: the streamed step (offload/stream.py)
+        if self.policy.optimizer_on_disk:
+            self._disk_step = DiskStep(self.units, self.policy.sub_group_size)
 
     def _finalize_grads(self) -> None:
         """Finish every reduction and give each shard its gradient (idempotent)."""
@@ -42,6 +46,8 @@ class Stepping:
         per ``ZeroConfig.nonfinite``, and withheld from the optimizer on a skip."""
         if id(optimizer) not in self._checked:
             check_optimizer(optimizer, self.policy)
+            if self._disk_step is not None:
+                check_streamable(optimizer)
             self._checked.add(id(optimizer))
         if self._stepped_by not in (None, id(optimizer)):
             raise NotImplementedError(
@@ -75,6 +81,8 @@ class Stepping:
                 shard.grad = None
             self.last_step_skipped = True
             self.skipped_steps += 1
+        if self._disk_step is not None:  # the step itself, streamed from the files; the
+            self._disk_step.step(optimizer)  # optimizer's own step then finds no gradient
         self.cycle.advance("step_begin")
         self._stepped_by = id(optimizer)
 
@@ -85,7 +93,10 @@ class Stepping:
         # gathered buffers never add up to a second copy of the model.
         prev = None
         for u in self.units:
-            u.after_step()
+            if u.disk is not None:
+                after_streamed_step(u)
+            else:
+                u.after_step()
             if prev is not None:
                 prev.wait_sync()
             prev = u

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..offload.disk import place_on_disk
 from .collectives import Collectives
 from .dist import TORCH_DTYPES, host_device
 from .events import Events
@@ -54,7 +55,8 @@ class Unit(UnitStep, UnitView):
         if self.master_dtype is not None:
             self.master = torch.zeros(self.g_layout.slot_numel, dtype=self.master_dtype,
                                       device=self.host if policy.offloads_optimizer else device,
-                                      pin_memory=policy.offloads_optimizer and _pinned())
+                                      pin_memory=policy.where("optimizer") == "host"
+                                      and _pinned())
         g_slot = {i: self.g_layout.slots[j] for j, i in enumerate(self.trainable)}
         for i, (slot, p) in enumerate(zip(self.w_layout.slots, self.params)):
             src = p.detach().to(device).reshape(slot.rows, slot.row_numel)
@@ -78,6 +80,9 @@ class Unit(UnitStep, UnitView):
             p.data = flat[:slot.numel].view(slot.shape)
             self.padded.append(buf)
             del src
+        self.disk = None  # disk offload: the file of the master and moments (offload/disk.py)
+        if policy.optimizer_on_disk and self.master is not None:
+            self.disk, self.master = place_on_disk(self.master, policy.offload_dir, comm, index)
         self.w_shard = None  # 1D [S_w], sharded parameters: this rank's slot of compute weights
         if policy.shards_params:
             self.w_shard = torch.cat([buf[self.rank] for buf in self.padded])

@@ -93,13 +93,17 @@ class UnitView:
         elif self.grad_shard is not None:  # between a cycle's first reduction and its step
             out["grads"] += g_real * self.grad_dtype.itemsize
             out["padding"] += (g_slot - g_real) * self.grad_dtype.itemsize
-        if self.master is not None:
+        if self.disk is not None:  # the file: master and both moments, padding included
+            for c, b in self.disk_bytes().items():
+                out[c] += b
+        elif self.master is not None:
             out["optimizer"] += g_real * self.master_dtype.itemsize
             out["padding"] += (g_slot - g_real) * self.master_dtype.itemsize
             if not pol.shards_optimizer:  # fp32 copies of the full gradients for the step
                 out["buffers"] += sum(tensor_bytes(self.shards[i].grad) for i in self.trainable
                                       if self.shards[i].grad is not None)
-        out["optimizer"] += optimizer_state_bytes(optimizer, self.shards)
+        if self.disk is None:
+            out["optimizer"] += optimizer_state_bytes(optimizer, self.shards)
         if self.step_grads is not None and self.step_grads is not self.grad_shard:
             out["buffers"] += tensor_bytes(self.step_grads)
         if self.host_grads is not None and self.host_grads is not self.step_grads:
@@ -114,9 +118,10 @@ class UnitView:
         pol, r = self.policy, self.rank
         if pol.offloads_optimizer and self.master is not None:
             g_real, g_slot = self.g_layout.real_numel(r), self.g_layout.slot_numel
-            out["optimizer"] += (g_real * self.master_dtype.itemsize
-                                 + optimizer_state_bytes(optimizer, self.shards))
-            out["padding"] += (g_slot - g_real) * self.master_dtype.itemsize
+            if self.disk is None:
+                out["optimizer"] += (g_real * self.master_dtype.itemsize
+                                     + optimizer_state_bytes(optimizer, self.shards))
+                out["padding"] += (g_slot - g_real) * self.master_dtype.itemsize
             if self.step_grads is not None and self.step_grads is not self.grad_shard:
                 out["buffers"] += tensor_bytes(self.step_grads)
             if self.host_grads is not None and self.host_grads is not self.step_grads:
@@ -125,6 +130,16 @@ class UnitView:
             w_item, w_real = self.compute_dtype.itemsize, self.w_layout.real_numel(r)
             out["params"] += w_real * w_item
             out["padding"] += (self.w_layout.slot_numel - w_real) * w_item
+        return out
+
+    def disk_bytes(self) -> dict[str, int]:
+        """The part of :meth:`memory` in files (disk offload): the master and Adam's two
+        moments, three fp32 planes of the slot, its padding included."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        if self.disk is not None:
+            g_real = self.g_layout.real_numel(self.rank)
+            out["optimizer"] = 3 * 4 * g_real
+            out["padding"] = 3 * 4 * (self.disk.numel - g_real)
         return out
 
     def buffers_in_flight(self) -> list[torch.Tensor]:
