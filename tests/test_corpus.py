@@ -277,6 +277,8 @@ def test_bad_inputs_each_give_one_line(tmp_path, model_dir):
     (tmp_path / "notok" / "config.json").write_text("{}")
     _fails(r"tokenizer directory '.*notok' has no tokenizer", tmp_path / "short.txt",
            tmp_path / "notok", tmp_path)
+    _fails(r"data path '.*short.txt' needs a tokenizer directory to tokenize its text",
+           tmp_path / "short.txt", None, tmp_path)
     for bad in (0, 0.6, -0.1):
         _fails(rf"val_fraction={bad} is outside \(0, 0.5\]", tmp_path / "short.txt",
                model_dir, tmp_path, val_fraction=bad)
@@ -300,7 +302,7 @@ def test_vocabulary_and_dtype_checks(tmp_path, model_dir):
            tmp_path / "a.txt", model_dir, tmp_path, vocab_size=100)
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
     _fails(r"token_dtype='uint16' cannot hold a vocabulary of 70,000 ids", tmp_path / "t.bin",
-           model_dir, tmp_path, token_dtype="uint16", vocab_size=70_000)
+           None, tmp_path, token_dtype="uint16", vocab_size=70_000)
     j = tmp_path / "list.json"
     j.write_text('[{"text": "a"}]\n')
     _fails(r"list.json:1 is a JSON list, not an object; each line holds an object with the "
@@ -318,3 +320,31 @@ def test_prepared_corpus_travels_as_json_and_damaged_cache_is_rebuilt(tmp_path, 
         f.truncate(10)
     again = prepare_corpus(data, model_dir, cache_dir=tmp_path / "cache", progress=False)
     assert again.built and again == PreparedCorpus(**{**vars(info), "built": True})
+
+
+def test_few_large_documents_and_several_token_files(tmp_path, docs, model_dir):
+    data = tmp_path / "two"
+    data.mkdir()
+    (data / "a.txt").write_text("".join(docs[:3]))
+    (data / "b.txt").write_text("".join(docs))  # the cut's target falls inside b
+    info = prepare_corpus(data, model_dir, cache_dir=tmp_path / "c", progress=False)
+    total = info.tokens("train") + info.tokens("val")
+    assert info.tokens("val") == total - round(total * 0.95)  # cut at the token
+    files = tmp_path / "bins"
+    files.mkdir()
+    np.arange(9500, dtype=np.uint16).tofile(files / "a.bin")
+    np.arange(500, dtype=np.uint16).tofile(files / "b.bin")
+    info = prepare_corpus(files, None, vocab_size=9500, cache_dir=tmp_path / "c",
+                          progress=False)
+    assert [(s.path[-5:], s.start, s.stop) for s in info.train + info.val] == \
+        [("a.bin", 0, 9500), ("b.bin", 0, 500)]  # the join between files is a boundary
+    np.arange(4000, dtype=np.uint16).tofile(files / "b.bin")
+    info = prepare_corpus(files, None, vocab_size=9500, cache_dir=tmp_path / "c",
+                          progress=False, val_fraction=0.1)  # the join is too far: cut in b
+    assert [(s.path[-5:], s.start, s.stop) for s in info.train + info.val] == \
+        [("a.bin", 0, 9500), ("b.bin", 0, 2650), ("b.bin", 2650, 4000)]
+    corpus = open_corpus(info, 100)
+    assert corpus.sequences("train") == 94 + 26 and corpus.sequences("val") == 13
+    seen = np.concatenate([corpus.batch("train", 0, s, 60, 100)[0] for s in range(2)])
+    starts = sorted(row[0] for row in seen.tolist())  # ids are positions in each file
+    assert starts == sorted(list(range(0, 9400, 100)) + list(range(0, 2600, 100)))

@@ -4,8 +4,10 @@ returns is small and picklable (file paths and counts), for ``open_corpus`` on e
 
 The held-out (validation) split is the end of the token stream, cut at the document
 boundary nearest to ``(1 - val_fraction)`` of its tokens, so no document lies in both
-splits. A corpus of a single document (one text file, a token file without boundary ids)
-has no boundary inside it; it is cut at that token, as nanoGPT cuts its one-file corpora.
+splits. Where no boundary lies within half of ``val_fraction`` of that point (a corpus of
+one document, such as a single text file or a token file without boundary ids, or of a
+few documents each larger than the held-out share) the stream is cut at that token, as
+nanoGPT cuts its one-file corpora, rather than hold out far more or far less than asked.
 A folder holding ``train.bin`` and ``val.bin`` keeps its own split (``val_fraction`` is
 not used, and its other ``.bin`` files are not read).
 """
@@ -98,8 +100,8 @@ def _cut(segments: list[Segment], fraction: float,
             if inside is not None:
                 candidates.append(base + inside)
         base += length
-    inner = [c for c in candidates if 0 < c < total]
-    cut = min(inner, key=lambda c: abs(c - target)) if inner else target
+    near = [c for c in candidates if 0 < c < total and abs(c - target) <= total * fraction / 2]
+    cut = min(near, key=lambda c: abs(c - target)) if near else target
     train, val, base = [], [], 0
     for s in segments:
         lo, hi = base, base + s.stop - s.start
@@ -209,7 +211,7 @@ def prepare_corpus(path: str | os.PathLike, tokenizer_dir: str | os.PathLike | N
         train, val, docs, cache, built = _text(path, sources, tok, field, val_fraction, root,
                                                vocab, dtype, progress)
     else:
-        dtype = choose_dtype(vocab, token_dtype)
+        dtype = choose_dtype(tok.size if tok else vocab, token_dtype)  # what wrote the ids
         train, val, docs, cache, built = _token_files(
             path, sources, tok.boundary if tok else None, val_fraction, root, vocab, dtype,
             progress)
