@@ -224,6 +224,7 @@ def test_token_files(tmp_path, model_dir):
     ids[:4000].tofile(folder / "train.bin")
     ids[4000:].tofile(folder / "val.bin")
     (folder / "meta.pkl").write_bytes(b"\x80\x04\x95\0\0")
+    (folder / "README.md").write_text("text beside nanoGPT's files is not read")
     info = prepare_corpus(folder, model_dir, cache_dir=tmp_path / "c", progress=False)
     assert (info.tokens("train"), info.tokens("val")) == (4000, 1000)
     corpus = open_corpus(info, 32)
@@ -277,6 +278,10 @@ def test_bad_inputs_each_give_one_line(tmp_path, model_dir):
     (tmp_path / "notok" / "config.json").write_text("{}")
     _fails(r"tokenizer directory '.*notok' has no tokenizer", tmp_path / "short.txt",
            tmp_path / "notok", tmp_path)
+    (tmp_path / "bin" / "stray.bin").write_bytes(b"\1\0")
+    (tmp_path / "bin" / "notes.txt").write_text("notes")
+    _fails(r"data folder '.*bin' mixes token files \(.bin\) with text or JSON lines",
+           tmp_path / "bin", model_dir, tmp_path)
     _fails(r"data path '.*short.txt' needs a tokenizer directory to tokenize its text",
            tmp_path / "short.txt", None, tmp_path)
     for bad in (0, 0.6, -0.1):

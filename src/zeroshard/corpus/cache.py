@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,9 +84,7 @@ def publish(root: Path, key: str, write: Callable[[Path], dict]) -> dict:
     """Build the entry ``key`` with ``write(folder) -> meta`` in a temporary folder and
     rename it into place; an entry another process completed first wins."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{key}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=root))
     try:
         meta = {"format": FORMAT, **write(tmp)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

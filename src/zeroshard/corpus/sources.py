@@ -14,7 +14,9 @@ Kinds, by file name and content:
   named alone.
 
 A folder is read recursively in sorted order of relative path; hidden files and folders
-(a name starting with ``.``) are skipped.
+(a name starting with ``.``) are skipped. Token files and text do not mix in one folder,
+except that a folder with ``train.bin`` and ``val.bin`` (nanoGPT's layout) is read for
+those alone, whatever else lies beside them.
 """
 
 from __future__ import annotations
@@ -112,8 +114,11 @@ def find_sources(path: str | os.PathLike) -> tuple[Source, ...]:
             ", ...)" if len(skipped) > 3 else ")") if skipped else ""
         raise DataError(f"data folder {str(path)!r} has no usable files{why}; it needs "
                         f"{ACCEPTED}")
-    kinds = {s.kind == "tokens" for s in found}
-    if len(kinds) > 1:
+    tokens = [s for s in found if s.kind == "tokens"]
+    if tokens and len(tokens) < len(found):
+        named = {s.path.name for s in tokens if s.path.parent == p.resolve()}
+        if {"train.bin", "val.bin"} <= named:  # nanoGPT's layout, beside a README or so
+            return tuple(tokens)
         raise DataError(f"data folder {str(path)!r} mixes token files (.bin) with text or "
                         "JSON lines; give a folder of one or the other")
     return tuple(found)
