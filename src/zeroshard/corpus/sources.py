@@ -8,10 +8,10 @@ Kinds, by file name and content:
   through a memory map;
 - **JSON lines**: ``*.jsonl``, ``*.ndjson`` and ``*.json``, one JSON object per line, the
   document in a string field;
-- **text**: any other file whose first 64 KiB is UTF-8 without a NUL byte (``.txt``,
-  ``.md``, ``.rst``, ``.py``, ``.html``, no extension...); one file is one document. Files
-  that are not text (images, archives, weights) are skipped in a folder and refused when
-  named alone.
+- **text**: any other file whose first 8,000 bytes are UTF-8 without a NUL byte (``.txt``,
+  ``.md``, ``.rst``, ``.py``, ``.html``, no extension...); one file is one document, and
+  bytes further in that are not UTF-8 read as U+FFFD. Files that are not text (images,
+  archives, weights) are skipped in a folder and refused when named alone.
 
 A folder is read recursively in sorted order of relative path; hidden files and folders
 (a name starting with ``.``) are skipped. Token files and text do not mix in one folder,
@@ -32,7 +32,7 @@ from .errors import DataError
 
 JSON_LINES = (".jsonl", ".ndjson", ".json")
 TOKEN_FILES = (".bin",)
-_SNIFF = 64 * 1024
+_SNIFF = 8000  # as much as git reads to call a file binary (buffer_is_binary, xdiff-interface.c)
 ACCEPTED = ("text files (UTF-8, any extension), JSON lines (.jsonl, .ndjson, .json) "
             "or token files (.bin)")
 
@@ -94,7 +94,7 @@ def _walk(root: Path) -> Iterator[Path]:
 
 def find_sources(path: str | os.PathLike) -> tuple[Source, ...]:
     """The corpus files ``path`` names: the file itself, or every usable file below the
-    folder. All token files or no token files: the two do not mix."""
+    folder (see the module docstring for which)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data path {str(path)!r} does not exist; give a file or a folder "
@@ -108,7 +108,10 @@ def find_sources(path: str | os.PathLike) -> tuple[Source, ...]:
     found, skipped = [], []
     for f in _walk(p):
         kind = _kind(f)
-        (found.append(_source(f, kind)) if kind else skipped.append(f.name))
+        if kind:
+            found.append(_source(f, kind))
+        else:
+            skipped.append(f.name)
     if not found:
         why = f" (skipped as not text: {', '.join(skipped[:3])}" + (
             ", ...)" if len(skipped) > 3 else ")") if skipped else ""
