@@ -45,11 +45,15 @@ class Corpus:
     def builtin(cls) -> Corpus:
         return cls(encode(corpus_text()))
 
-    def batch(self, split: str, seed: int, step: int, rows: int, seq_len: int):
+    def batch(self, split: str, seed: int, step: int, rows: int, seq_len: int,
+              part: slice | None = None):
         """``rows`` random windows of ``seq_len + 1`` tokens: (inputs, targets), each
-        ``[rows, seq_len]``; the same for every rank and every N."""
+        ``[rows, seq_len]``; the same for every rank and every N. ``part``: only those
+        rows of the global batch (a rank's share), ``[b - a, seq_len]``."""
         data = self.train if split == "train" else self.val
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, len(data) - seq_len - 1, (rows,), generator=g)
+        if part is not None:
+            starts = starts[part]
         windows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
         return windows[:, :-1], windows[:, 1:]

@@ -2,9 +2,12 @@
 
 Streams one parameter at a time, so host memory stays near the largest parameter
 whatever the model's size. Splits into files of at most --max-shard-size with a
-model.safetensors.index.json, as `from_pretrained` expects. The files are written
-aside and moved in whole: a failed export leaves the output folder as it was, and a
-re-export removes what the one before it wrote there (other files are left alone).
+model.safetensors.index.json, as `from_pretrained` expects. A run of `zeroshard train
+--hf-model DIR` exports as a folder `from_pretrained` loads: the weights under
+transformers' names, and DIR's config.json (its dtype set to --dtype),
+generation_config.json and tokenizer files. The files are written aside and moved in
+whole: a failed export leaves the output folder as it was, and a re-export removes what
+the one before it wrote there (other files are left alone).
 
 example:
   zeroshard export runs/ckpt/latest out/ --dtype bf16 --max-shard-size 2GB
@@ -47,11 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from .consolidated import export
+    from .hflayout import carry_over, check_export, trained_from
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    source = trained_from(args.ckpt)
+    if source is not None:
+        check_export(source, args.out)
     layout = export(args.ckpt, args.out, args.dtype, parse_size(args.max_shard_size))
+    copied = carry_over(source, args.out, args.dtype) if source is not None else []
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     count = sum(len(v) for v in layout.values())
-    print(f"wrote {count} tensors to {len(layout)} file(s) in {args.out}; peak host memory "
-          f"grew by {grown / 1e6:.1f} MB")
+    also = f", and {', '.join(copied)} from {source}" if copied else ""
+    print(f"wrote {count} tensors to {len(layout)} file(s) in {args.out}{also}; peak host "
+          f"memory grew by {grown / 1e6:.1f} MB")
     return 0

@@ -1,4 +1,6 @@
-"""zeroshard train — the built-in GPT on the built-in corpus, sharded over N processes.
+"""zeroshard train — a model trained sharded over N processes: the built-in GPT on the
+built-in corpus, or a local Hugging Face causal LM (--hf-model DIR) on your text
+(--data PATH), tokenized once before the ranks start.
 
 Launches --nproc local processes through PyTorch's own launcher (torch.distributed.run,
 with its rendezvous store on the loopback interface only: ``train/launch.py``).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,8 +33,9 @@ import traceback
 from dataclasses import fields, replace
 
 from ..runtime.config import ZeroConfig
-from . import failure, preflight
+from . import datasource, failure, preflight
 from .config import TrainConfig, engine_keys, resolve
+from .hfmodel import model_source
 
 #: How each engine field (ZeroConfig's) shows as a flag named after it (mixed_precision:
 #: --mixed-precision). A field left out still gets a flag, typed after its default.
@@ -91,6 +95,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     p.add_argument("--nproc", type=int, help=f"local processes (default {d.nproc})")
     p.add_argument("--model", help="GPT preset: tiny, small (0.84M, default) or medium (10.8M)")
+    p.add_argument("--hf-model", metavar="DIR",
+                   help="fine-tune this local Hugging Face causal LM (config.json, "
+                        "safetensors weights, a tokenizer) instead of the built-in GPT")
+    p.add_argument("--data", metavar="PATH",
+                   help="training text for --hf-model: text files or a folder of them, JSON "
+                        "lines, or token files (default: the built-in corpus)")
+    p.add_argument("--data-field", metavar="NAME",
+                   help=f"the text field of each JSON line (default {d.data_field})")
+    p.add_argument("--val-fraction", type=float, metavar="F",
+                   help=f"share of --data held out for validation (default {d.val_fraction})")
+    p.add_argument("--seq-len", type=int, metavar="L",
+                   help="tokens per sequence (default: the built-in GPT's block size; for "
+                        "--hf-model the smaller of its longest sequence and 1024)")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="write TensorBoard scalars here: losses, learning rate, tokens/s, "
+                        "gradient norm, memory by category, skipped steps")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--batch", type=int, help=f"global batch in sequences (default {d.batch})")
     p.add_argument("--micro-batch", type=int,
@@ -102,7 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
     p.add_argument("--eval-every", type=int, help=f"steps between evaluations "
                                                   f"(default {d.eval_every})")
-    p.add_argument("--sample-chars", type=int, help=f"bytes to sample at the end "
+    p.add_argument("--sample-chars", type=int, help=f"text to sample at the end: bytes, or "
+                                                    f"for --hf-model about as many characters "
                                                     f"(default {d.sample_chars})")
     p.add_argument("--json-log", metavar="FILE", help="one JSON object per step")
     p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints here")
@@ -146,7 +167,8 @@ def run(args) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _rank(cfg)
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
-    held = preflight.check(cfg)  # every path, before any process starts
+    source = model_source(cfg)  # a Hugging Face folder read, the sequence length checked
+    held = preflight.check(cfg, source)  # every path, before any process starts
     env = dict(os.environ)
     env[_ENV] = json.dumps(cfg.to_dict())
     if args.debug:
@@ -155,7 +177,14 @@ def run(args) -> int:
     cmd = [sys.executable, "-m", "zeroshard.train.launch",  # torchrun, on loopback only
            "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
     with held:
-        return _wait(subprocess.Popen(cmd, env=env))
+        corpus = datasource.prepare(cfg, source.vocab, source.seq_len)  # tokenized once, here
+        try:
+            if corpus is not None:
+                env[datasource.ENV] = str(corpus)
+            return _wait(subprocess.Popen(cmd, env=env))
+        finally:
+            if corpus is not None:
+                shutil.rmtree(corpus.parent, ignore_errors=True)
 
 
 def _wait(launcher: subprocess.Popen) -> int:

@@ -49,7 +49,22 @@ class TrainConfig:
     ``zero.profile`` is set from ``profile`` below. ``nonfinite`` defaults to "skip"
     here (``max_skipped`` below bounds it)."""
     model: str = "small"
-    """Built-in GPT preset: tiny, small or medium."""
+    """Built-in GPT preset: tiny, small or medium (unused with ``hf_model``)."""
+    hf_model: str | None = None
+    """A Hugging Face causal LM folder (config.json, safetensors weights, a tokenizer) to
+    fine-tune instead of the built-in GPT."""
+    data: str | None = None
+    """Training text: a file, a folder of files, JSON lines (``data_field``) or token
+    files, tokenized with ``hf_model``'s tokenizer; None: the built-in corpus."""
+    data_field: str = "text"
+    """The field of each JSON line that holds its text."""
+    val_fraction: float = 0.05
+    """Share of ``data`` held out for validation, in (0, 0.5]."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: the built-in GPT's block size, or for ``hf_model`` the
+    smaller of the model's longest sequence and 1024."""
+    tensorboard: str | None = None
+    """Write TensorBoard scalars into this folder (rank 0)."""
     steps: int = 400
     """Optimizer steps."""
     batch: int = 16
@@ -113,8 +128,14 @@ class TrainConfig:
         for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout",
                      "max_skipped"):
             positive(name)
-        for name in ("micro_batch", "clip", "warmup", "save_every", "keep_last"):
+        for name in ("micro_batch", "clip", "warmup", "save_every", "keep_last", "seq_len"):
             positive(name, allow_none=True)
+        if self.data and not self.hf_model:
+            raise ValueError(f"data={self.data!r} needs hf_model: the built-in GPT reads bytes "
+                             "of its built-in corpus; give --hf-model DIR to train on your text")
+        if not 0 < self.val_fraction <= 0.5:
+            raise ValueError(f"val_fraction={self.val_fraction!r} is outside (0, 0.5]; give "
+                             "the share of the data held out for validation, e.g. 0.05")
         if self.model not in PRESETS:
             raise ValueError(f"model={self.model!r}; expected one of {', '.join(PRESETS)}")
         zero = self.zero if isinstance(self.zero, ZeroConfig) else ZeroConfig.load(self.zero)

@@ -10,16 +10,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import shard  # the public zs.shard, wherever the engine defines it
 from .._paths import folder
 from ..checkpoint import load, load_pretrained, save, savedir
 from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
-from ..data import Corpus, decode
-from ..models.gpt import GPT, get_preset
 from ..runtime.dist import default_device, init_distributed
 from ..runtime.scaler import GradScaler
-from . import report
+from . import datasource, report
+from .board import Board
 from .config import TrainConfig
+from .hfmodel import model_source
 from .profile import profile_report
 
 
@@ -43,18 +42,19 @@ def _global_mean(value: torch.Tensor, world: int) -> float:
     return t.item() / world
 
 
-def evaluate(model, corpus: Corpus, cfg: TrainConfig, split: str, rank: int, world: int,
+def evaluate(model, source, corpus, cfg: TrainConfig, split: str, rank: int, world: int,
              seq_len: int) -> float:
-    """Mean loss over ``eval_batches`` fixed global batches of ``split``."""
+    """Mean loss over ``eval_batches`` fixed global batches of ``split``, each rank
+    reading its rows."""
     was_training = model.training
     model.eval()
     device = default_device()
     total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
         for k in range(cfg.eval_batches):
-            x, y = corpus.batch(split, cfg.seed + 7919, k, cfg.batch, seq_len)
             rows = slice(rank * cfg.batch // world, (rank + 1) * cfg.batch // world)
-            total += model(x[rows].to(device), y[rows].to(device)).double()
+            x, y = corpus.batch(split, cfg.seed + 7919, k, cfg.batch, seq_len, part=rows)
+            total += source.loss(model, x.to(device), y.to(device)).double()
     model.train(was_training)
     return _global_mean(total / cfg.eval_batches, world)
 
@@ -103,10 +103,9 @@ def train(cfg: TrainConfig) -> dict:
     for name in ("save_dir", "profile"):  # under torchrun no launcher checked them
         if getattr(cfg, name):
             folder(name, getattr(cfg, name))
-    gpt_cfg = get_preset(cfg.model)
-    seq_len = gpt_cfg.block_size
-    torch.manual_seed(cfg.seed)
-    model = shard(GPT(gpt_cfg), config=cfg.zero)
+    source = model_source(cfg)
+    seq_len = source.seq_len
+    model = source.build(load_weights=not (cfg.resume or cfg.init_from))
     if model.profiler is not None:
         model.profiler.enabled = False
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -116,9 +115,10 @@ def train(cfg: TrainConfig) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     # fp16: dynamic loss scaling, every rank alike (skipped steps count as skips below)
     scaler = GradScaler(model, enabled=model.zero_config.recipe.param_dtype == "fp16")
-    corpus = Corpus.builtin()
-    params = sum(p.numel() for p in GPT(gpt_cfg).parameters()) if rank == 0 else 0
-    out = report.Reporter(cfg, world, micro, accum, params, enabled=rank == 0)
+    corpus = datasource.open_source(cfg, source.vocab, seq_len, rank)
+    unit_params = [sum(p.numel() for p in u.params) for u in model.units]
+    out = report.Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
+                          label=source.label, origin=source.source)
     log = (open(cfg.json_log, "a" if cfg.resume else "w", encoding="utf-8")
            if cfg.json_log and rank == 0 else None)
     losses, evals = [], []
@@ -142,8 +142,11 @@ def train(cfg: TrainConfig) -> dict:
                              f"{cfg.steps}: nothing to train; give --steps above {start}")
         scheduler.load_state_dict(extra["scheduler"])
         out.note(f"resumed from {ckpt} (step {start}): weights, optimizer state, schedule")
-    first_eval = evaluate(model, corpus, cfg, "val", rank, world, seq_len)
+    first_eval = evaluate(model, source, corpus, cfg, "val", rank, world, seq_len)
     out.start(first_eval, start)
+    board = Board(cfg.tensorboard, rank == 0, purge_step=start + 1 if start else None)
+    board.start(first_eval, start)
+    board.watch(model, optimizer)
     tokens_per_step = cfg.batch * seq_len
     model.comm_stats(reset=True)
     comm: dict[str, dict[str, int]] = {}  # training steps only, evaluations left out
@@ -161,12 +164,13 @@ def train(cfg: TrainConfig) -> dict:
             if model.profiler is not None:  # steps 2-3: the gather order is recorded by then
                 model.profiler.enabled = start + 1 <= step < start + 3
             t0 = time.perf_counter()
-            x, y = corpus.batch("train", cfg.seed, step, cfg.batch, seq_len)
             base = rank * cfg.batch // world
+            x, y = corpus.batch("train", cfg.seed, step, cfg.batch, seq_len,
+                                part=slice(base, base + micro * accum))
             step_loss = torch.zeros((), device=device)
             for m in range(accum):
-                rows = slice(base + m * micro, base + (m + 1) * micro)
-                loss = model(x[rows].to(device), y[rows].to(device)) / accum
+                rows = slice(m * micro, (m + 1) * micro)
+                loss = source.loss(model, x[rows].to(device), y[rows].to(device)) / accum
                 scaler.scale(loss).backward()
                 step_loss += loss.detach().float()
             scaler.unscale_(optimizer)
@@ -196,12 +200,15 @@ def train(cfg: TrainConfig) -> dict:
                       "skipped": model.last_step_skipped,
                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                record["train_loss"] = evaluate(model, corpus, cfg, "train", rank, world, seq_len)
-                record["val_loss"] = evaluate(model, corpus, cfg, "val", rank, world, seq_len)
+                record["train_loss"] = evaluate(model, source, corpus, cfg, "train", rank, world,
+                                                seq_len)
+                record["val_loss"] = evaluate(model, source, corpus, cfg, "val", rank, world,
+                                              seq_len)
                 evals.append((step + 1, record["train_loss"], record["val_loss"]))
                 out.eval_line(record)
                 model.comm_stats(reset=True)
             out.step(record)
+            board.step(record, model.skipped_steps)
             if cfg.save_dir and ((cfg.save_every and (step + 1) % cfg.save_every == 0)
                                  or step + 1 == cfg.steps):
                 _save(model, optimizer, cfg, step + 1,
@@ -213,20 +220,17 @@ def train(cfg: TrainConfig) -> dict:
                 log.flush()
     finally:
         out.stop()
+        board.close()
         if log:
             log.close()
     if model.profiler is not None:
         model.profiler.enabled = False
-        profile_report(model, cfg, gpt_cfg, micro, rank, out)
+        profile_report(model, cfg, source, micro, seq_len, rank, out)
     memories = [None] * world
     dist.all_gather_object(memories, held[0] if held else model.memory(optimizer))
-    out.summary(memories, comm, model.zero_config.recipe, model.comm.shard_world,
-                [sum(p.numel() for p in u.params) for u in model.units])
+    out.summary(memories, comm, model.zero_config.recipe, model.comm.shard_world, unit_params)
     if cfg.sample_chars:
-        prompt = torch.tensor([list(b"The ")], device=device)
-        g = torch.Generator().manual_seed(cfg.seed)
         model.eval()
-        text = GPT.generate(model.module, prompt, cfg.sample_chars, generator=g, forward=model)
-        out.sample(decode(text[0].tolist()))
+        out.sample(source.sample(model, device))
     return {"losses": losses, "evals": evals, "first_val": first_eval,
             "memory": memories[rank]}

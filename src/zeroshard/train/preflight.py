@@ -17,31 +17,20 @@ from .._paths import folder, output_file
 from .config import TrainConfig
 
 
-def model_shapes(model: str) -> dict[str, tuple[int, ...]]:
-    """The built-in GPT preset's parameter names and shapes (built on the meta device:
-    no memory, no initialisation)."""
-    import torch
-
-    from ..models.gpt import GPT, get_preset
-
-    with torch.device("meta"):
-        return {n: tuple(p.shape) for n, p in GPT(get_preset(model)).named_parameters()}
-
-
 def _same_model(where: str, found: dict[str, tuple[int, ...]],
-                shapes: dict[str, tuple[int, ...]], model: str) -> None:
-    """``found`` (name -> shape in a file) holds the preset's parameters exactly."""
+                shapes: dict[str, tuple[int, ...]], source) -> None:
+    """``found`` (name -> shape in a file) holds the model's parameters exactly."""
+    hint = ("give the --hf-model it was trained from" if source.source else
+            "give the --model it was trained as")
     for name, shape in shapes.items():
         if name not in found:
-            raise ValueError(f"{where}: not a GPT {model} (no tensor {name!r}); give the "
-                             "--model it was trained as")
+            raise ValueError(f"{where}: not a {source.label} (no tensor {name!r}); {hint}")
         if tuple(found[name]) != shape:
-            raise ValueError(f"{where}: not a GPT {model} ({name!r} has shape "
-                             f"{tuple(found[name])}, the model {shape}); give the --model it "
-                             "was trained as")
+            raise ValueError(f"{where}: not a {source.label} ({name!r} has shape "
+                             f"{tuple(found[name])}, the model {shape}); {hint}")
 
 
-def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> int:
+def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> int:
     """The checkpoint to resume: found, of this model, saved by the trainer, and short of
     ``steps``. Returns its step."""
     from ..checkpoint.sharded import read_manifest, resolve
@@ -49,7 +38,7 @@ def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> int:
     ckpt = resolve(Path(cfg.save_dir) if cfg.resume == "latest" else cfg.resume)
     manifest = read_manifest(ckpt)
     _same_model(str(ckpt), {n: p["shape"] for n, p in manifest["params"].items()}, shapes,
-                cfg.model)
+                source)
     extra = manifest["extra"]
     if not {"step", "scheduler"} <= set(extra):
         raise ValueError(f"resume={cfg.resume!r}: {ckpt} was not saved by zeroshard train (no "
@@ -63,7 +52,7 @@ def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> int:
     return done
 
 
-def init_from(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+def init_from(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> None:
     """The weights to start from: safetensors (a file, or a folder with an export) holding
     this model's parameters."""
     from ..checkpoint.consolidated import _weight_map
@@ -82,7 +71,7 @@ def init_from(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     except OSError as exc:  # a shard the index names is missing or unreadable
         raise ValueError(f"init_from={cfg.init_from!r}: {exc.filename or cfg.init_from} "
                          f"cannot be read ({exc.strerror or exc})") from None
-    _same_model(f"init_from={cfg.init_from!r}", found, shapes, cfg.model)
+    _same_model(f"init_from={cfg.init_from!r}", found, shapes, source)
 
 
 def _save_dir(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]):
@@ -102,16 +91,29 @@ def _save_dir(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]):
     return savedir.hold(cfg.save_dir)
 
 
-def check(cfg: TrainConfig):
-    """Check every path of ``cfg``; return the context that holds the save folder for the
-    run."""
-    shapes = model_shapes(cfg.model)
+def check(cfg: TrainConfig, source=None):
+    """Check the model (``source``, by default ``cfg``'s: a Hugging Face folder is read,
+    the sequence length checked against it) and every path of ``cfg``; return the
+    context that holds the save folder for the run."""
+    from .board import check as tensorboard
+    from .hfmodel import model_source
+
+    source = source or model_source(cfg)
+    shapes = source.shapes()
     if cfg.resume:
-        resume(cfg, shapes)
+        resume(cfg, shapes, source)
     if cfg.init_from:
-        init_from(cfg, shapes)
+        init_from(cfg, shapes, source)
     if cfg.json_log:
         output_file("json_log", cfg.json_log)
     if cfg.profile:
         folder("profile", cfg.profile)
+        try:
+            source.architecture()
+        except ValueError as exc:
+            raise ValueError(f"profile: the planner cannot describe this model to set its "
+                             f"plan beside the measurement ({exc}); run without --profile") \
+                from None
+    if cfg.tensorboard:
+        tensorboard(cfg.tensorboard)
     return _save_dir(cfg, shapes)

@@ -12,16 +12,22 @@ from ..plan.memory import Workload
 from ..plan.peak import peak
 
 
-def predicted(model, gpt_cfg, tokens: int, seq_len: int) -> tuple[dict[str, int], int]:
-    """The planner's figures for this run (``zeroshard.plan.peak``: the built-in GPT's
-    architecture, its workload): per category at the peak, and the peak the profiler
-    can see (saved tensors, not kernels' scratch), for ``tokens`` per rank per forward
-    in sequences of ``seq_len``."""
-    recipe, world = model.zero_config.recipe, model.comm.dp_world
-    c = gpt_cfg
-    arch = Architecture("gpt", c.hidden, c.layers, c.heads, 4 * c.hidden, c.vocab, tied=True,
+def gpt_architecture(c) -> Architecture:
+    """The built-in GPT of ``GPTConfig`` ``c`` as the planner describes models."""
+    return Architecture("gpt", c.hidden, c.layers, c.heads, 4 * c.hidden, c.vocab, tied=True,
                         max_positions=c.block_size, gated_mlp=False, norm_bias=True,
                         linear_bias=True, family="gpt")
+
+
+def predicted(model, arch, tokens: int, seq_len: int) -> tuple[dict[str, int], int]:
+    """The planner's figures for this run (``zeroshard.plan.peak``: the model's
+    architecture ``arch``, an Architecture or the built-in GPT's ``GPTConfig``, and its
+    workload): per category at the peak, and the peak the profiler can see (saved
+    tensors, not kernels' scratch), for ``tokens`` per rank per forward in sequences of
+    ``seq_len``."""
+    recipe, world = model.zero_config.recipe, model.comm.dp_world
+    if not isinstance(arch, Architecture):
+        arch = gpt_architecture(arch)
     work = Workload(tokens, seq_len, checkpointing=False, flash_attention=True)
     impl = "foreach" if model.units[0].device.type == "cuda" else "for-loop"  # torch's pick
     p = peak(ModelSpec.from_arch(arch), recipe, work, world, model.stage,
@@ -31,7 +37,7 @@ def predicted(model, gpt_cfg, tokens: int, seq_len: int) -> tuple[dict[str, int]
              "activations": p.activations}, p.profiled)
 
 
-def profile_report(model, cfg, gpt_cfg, micro: int, rank: int, out) -> None:
+def profile_report(model, cfg, source, micro: int, seq_len: int, rank: int, out) -> None:
     prof = model.profiler
     folder = Path(cfg.profile)
     folder.mkdir(parents=True, exist_ok=True)
@@ -39,9 +45,8 @@ def profile_report(model, cfg, gpt_cfg, micro: int, rank: int, out) -> None:
     statement = prof.peak_statement()
     if rank == 0:
         lifetime_chart(prof, str(folder / "lifetimes.png"),
-                       f"GPT {cfg.model}, ZeRO stage {cfg.zero.stage}, rank 0")
-    plan, planned_total = predicted(model, gpt_cfg, micro * gpt_cfg.block_size,
-                                    gpt_cfg.block_size)
+                       f"{source.label}, ZeRO stage {cfg.zero.stage}, rank 0")
+    plan, planned_total = predicted(model, source.architecture(), micro * seq_len, seq_len)
     _, at = prof.peak()
     measured = {k: at.memory[k] for k in plan}
     statements = [None] * model.comm.dp_world

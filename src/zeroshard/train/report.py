@@ -37,8 +37,10 @@ def planned_comm(params: int, world: int, recipe, stage: int, accum: int,
 class Reporter:
     """Rank 0's output; every method is a no-op elsewhere."""
 
-    def __init__(self, cfg, world: int, micro: int, accum: int, params: int, enabled: bool):
+    def __init__(self, cfg, world: int, micro: int, accum: int, params: int, enabled: bool,
+                 label: str | None = None, origin: str = ""):
         self.cfg, self.world, self.params, self.enabled = cfg, world, params, enabled
+        self.label, self.origin = label or f"GPT {cfg.model}", origin
         self.micro, self.accum = micro, accum
         console = Console(highlight=False)
         # keep the tables whole when stdout is a pipe or a narrow terminal
@@ -53,7 +55,8 @@ class Reporter:
         c, z = self.cfg, self.cfg.zero
         units = "model" if z.units is None else z.units
         self.console.print(
-            f"zeroshard train: GPT {c.model} ({self.params:,} params), {processes(self.world)}, "
+            f"zeroshard train: {self.label} ({self.params:,} params){self.origin}, "
+            f"{processes(self.world)}, "
             f"ZeRO stage {z.stage}, {z.mixed_precision or 'fp32'}, units={units}; global "
             f"batch {c.batch} = "
             f"{self.world} x {self.micro} x {self.accum} micro-batch(es), {c.steps} steps")

@@ -1,0 +1,140 @@
+"""The Hugging Face layout in and out: a sharded model initialised from a model folder's
+safetensors (each rank reading only the rows it keeps, one unit at a time), and a
+checkpoint of such a model exported back into a folder ``from_pretrained`` loads.
+
+Names: the model's parameters carry transformers' own names (``model.layers.0...``,
+``transformer.h.0...``), which is what ``save_pretrained`` writes. Older files name
+the base model's tensors without its prefix (GPT-2's ``h.0.attn.c_attn.weight`` for
+``transformer.h.0.attn.c_attn.weight``); those are found too, as ``from_pretrained``
+finds them. A weight tied to another (GPT-2's head, a small Llama's) is one parameter
+of the model and one tensor of the files.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .load import _agree
+from .sharded import entries, read_manifest, resolve
+from .tensorfile import TensorFile, fsync_dir
+
+#: The files of a model folder besides its weights that an export carries over: the
+#: config, the generation settings and the tokenizer in every form transformers writes.
+CARRIED = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json",
+           "added_tokens.json", "vocab.*", "merges.txt", "spiece.model", "chat_template.*",
+           "preprocessor_config.json")
+
+
+def _source_names(model, wmap: dict[str, Path]) -> dict[str, str]:
+    """The model's tensor name -> the name in the files: the same, or without the base
+    model's prefix."""
+    prefix = getattr(model.module, "base_model_prefix", "") or ""
+    out = {}
+    for name, _ in [*model.module.named_parameters(), *model.module.named_buffers()]:
+        if name in wmap:
+            out[name] = name
+        elif prefix and name.startswith(prefix + ".") and name[len(prefix) + 1:] in wmap:
+            out[name] = name[len(prefix) + 1:]
+    return out
+
+
+def load_hf_weights(model, path: str | Path) -> None:
+    """Initialise a ShardedModel built from ``path``'s config with ``path``'s weights: per
+    unit, each rank reads the rows it keeps (its shard; the whole parameter where it is
+    kept whole) and nothing else. Every file is checked (names, shapes) on every rank and
+    the ranks agree before anything is written; a problem is one line naming the file."""
+    from ..models.hf import weight_files
+
+    problem, plan = None, []
+    try:
+        wmap = weight_files(path)
+        names = _source_names(model, wmap)
+        handles: dict[Path, TensorFile] = {}
+        for e in entries(model):
+            if e.name not in names:
+                raise ValueError(f"{path}: no tensor {e.name!r} in the weights for the model's "
+                                 "parameter (saved from another architecture or config?)")
+            file = wmap[names[e.name]]
+            f = handles.setdefault(file, TensorFile(str(file)))
+            if f.shape(names[e.name]) != e.shape:
+                raise ValueError(f"{file}: {names[e.name]!r} has shape "
+                                 f"{f.shape(names[e.name])}, the model {e.shape} (config.json "
+                                 "and the weights disagree)")
+            plan.append((e, f, names[e.name]))
+        buffers = [(buf, handles.setdefault(wmap[names[n]], TensorFile(str(wmap[names[n]]))),
+                    names[n]) for n, buf in model.module.named_buffers() if n in names]
+    except ValueError as exc:
+        problem = str(exc)
+    except OSError as exc:  # a file the index names is unreadable
+        problem = f"{exc.filename or path}: {exc.strerror or exc}"
+    _agree(model, problem)
+    by_unit: dict[int, list] = {}
+    for item in plan:  # unit by unit: one unit's rows in flight at a time
+        by_unit.setdefault(id(item[0].unit), []).append(item)
+    with torch.no_grad():
+        for items in by_unit.values():
+            for e, f, source in items:
+                a, b = e.held()
+                if a < b:
+                    e.local(a, b).copy_(f.rows(source, a, b).reshape(b - a, e.row))
+        for buf, f, source in buffers:
+            buf.copy_(f.rows(source))
+    model.refresh_compute()
+    dist.barrier(model.comm.group)
+
+
+def trained_from(ckpt_path: str | Path) -> str | None:
+    """The Hugging Face model folder a ``zeroshard train --hf-model`` checkpoint was
+    trained from (None for any other checkpoint)."""
+    ckpt = resolve(ckpt_path)
+    config = read_manifest(ckpt)["extra"].get("config") or {}
+    return config.get("hf_model") if isinstance(config, dict) else None
+
+
+def carried_files(source: str | Path) -> list[Path]:
+    """The files of ``source`` an export copies: config, generation config, tokenizer."""
+    return sorted(p for p in Path(source).iterdir() if p.is_file()
+                  and any(fnmatch.fnmatch(p.name, pattern) for pattern in CARRIED))
+
+
+def check_export(source: str | Path, out: str | Path) -> None:
+    """An export of a model trained from ``source`` into ``out``: ``source`` still holds
+    its config (copied into the export), and ``out`` is another folder."""
+    src = Path(source)
+    if not (src / "config.json").is_file():
+        raise ValueError(f"the checkpoint was trained from {source}, which no longer holds "
+                         "config.json; the export copies it and the tokenizer from there "
+                         "(restore the folder, or export weights only from a copy)")
+    if Path(out).exists() and Path(out).resolve() == src.resolve():
+        raise ValueError(f"out={str(out)!r} is the model folder the run was trained from; "
+                         "export into another folder (its weights would be replaced)")
+
+
+def carry_over(source: str | Path, out: str | Path, dtype: str) -> list[str]:
+    """Copy ``source``'s config, generation config and tokenizer into ``out``, each
+    written aside and moved in whole. ``config.json``'s dtype is set to the exported
+    one, so ``from_pretrained`` loads the weights as written."""
+    out = Path(out)
+    copied = []
+    for p in carried_files(source):
+        tmp = out / f".{p.name}.partial"
+        if p.name == "config.json":
+            config = json.loads(p.read_text(encoding="utf-8"))
+            name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = name
+            tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        else:
+            shutil.copyfile(p, tmp)
+        os.replace(tmp, out / p.name)
+        copied.append(p.name)
+    fsync_dir(str(out))
+    return copied

@@ -1,0 +1,151 @@
+"""The model ``zeroshard train`` trains: the built-in GPT, or a Hugging Face causal LM
+from a local folder (``--hf-model``). Each says what it is and how long its sequences
+are, builds itself sharded, computes its loss and samples text; the loop does not ask
+which one it has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import shard
+from .config import TrainConfig
+
+
+def _zeros(module: torch.nn.Module) -> None:
+    """The meta model's placeholder initialisation: its weights are read from the files
+    right after, so a unit is materialized without running any initialiser."""
+    for p in module._parameters.values():
+        if p is not None:
+            p.zero_()
+
+
+class BuiltinGPT:
+    """The built-in GPT preset ``cfg.model``, byte-level, on the built-in corpus."""
+
+    vocab = 256
+
+    def __init__(self, cfg: TrainConfig):
+        from ..models.gpt import get_preset
+
+        self.cfg, self.gpt_cfg = cfg, get_preset(cfg.model)
+        block = self.gpt_cfg.block_size
+        if cfg.seq_len is not None and cfg.seq_len > block:
+            raise ValueError(f"seq_len={cfg.seq_len} is above GPT {cfg.model}'s block size "
+                             f"{block}; give --seq-len {block} or less")
+        self.seq_len = cfg.seq_len or block
+        self.label, self.source = f"GPT {cfg.model}", ""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes, built on the meta device (no memory)."""
+        from ..models.gpt import GPT
+
+        with torch.device("meta"):
+            return {n: tuple(p.shape) for n, p in GPT(self.gpt_cfg).named_parameters()}
+
+    def params(self) -> int:
+        return sum(_numel(s) for s in self.shapes().values())
+
+    def build(self, load_weights: bool = True):
+        from ..models.gpt import GPT
+
+        torch.manual_seed(self.cfg.seed)
+        return shard(GPT(self.gpt_cfg), config=self.cfg.zero)
+
+    def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return model(x, y)
+
+    def sample(self, model, device) -> str:
+        from ..data import decode
+        from ..models.gpt import GPT
+
+        prompt = torch.tensor([list(b"The ")], device=device)
+        g = torch.Generator().manual_seed(self.cfg.seed)
+        text = GPT.generate(model.module, prompt, self.cfg.sample_chars, generator=g,
+                            forward=model)
+        return decode(text[0].tolist())
+
+    def architecture(self):
+        """The planner's description of the model (``zeroshard train --profile``)."""
+        from .profile import gpt_architecture
+
+        return gpt_architecture(self.gpt_cfg)
+
+
+class HFCausalLM:
+    """A Hugging Face causal LM from ``cfg.hf_model``: built on the meta device, each
+    rank reading the rows it keeps from the safetensors, unit by unit."""
+
+    def __init__(self, cfg: TrainConfig):
+        from ..models.hf import describe
+
+        self.cfg, self.info = cfg, describe(cfg.hf_model)
+        limit = self.info.max_positions
+        self.seq_len = cfg.seq_len or min(limit or 1024, 1024)
+        if limit is not None and self.seq_len > limit:
+            raise ValueError(f"seq_len={self.seq_len} is above {self.info.architecture}'s "
+                             f"longest sequence, {limit} (its config.json); give --seq-len "
+                             f"{limit} or less")
+        self.vocab = self.info.vocab
+        if not cfg.data and self.vocab < 256:
+            raise ValueError(f"hf_model={cfg.hf_model!r} has a vocabulary of {self.vocab}; "
+                             "the built-in corpus is bytes (ids up to 255): give --data to "
+                             "train on text tokenized by the model's tokenizer")
+        self.label = f"Hugging Face {self.info.architecture}"
+        self.source = f" from {cfg.hf_model}"
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        from ..models.hf import build_meta
+
+        return {n: tuple(p.shape) for n, p in build_meta(self.cfg.hf_model).named_parameters()}
+
+    def params(self) -> int:
+        return sum(_numel(s) for s in self.shapes().values())
+
+    def build(self, load_weights: bool = True):
+        """Sharded, with the folder's weights (``load_weights=False``: a checkpoint's
+        weights replace them next, so they are not read)."""
+        from ..checkpoint.hflayout import load_hf_weights
+        from ..models.hf import build_meta
+
+        model = shard(build_meta(self.cfg.hf_model), config=self.cfg.zero, param_init=_zeros,
+                      seed=self.cfg.seed)
+        if load_weights:
+            load_hf_weights(model, self.cfg.hf_model)
+        return model
+
+    def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from ..models.hf import lm_loss
+
+        return lm_loss(model, x, y)
+
+    def sample(self, model, device) -> str:
+        """About ``sample_chars`` characters: a token is some 4 characters of English."""
+        from transformers import AutoTokenizer
+
+        from ..models.hf import sample
+
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.hf_model, local_files_only=True)
+        prompt = tokenizer.encode("The ")
+        g = torch.Generator().manual_seed(self.cfg.seed)
+        new = sample(model, prompt, max(1, self.cfg.sample_chars // 4), self.seq_len, g, device)
+        return tokenizer.decode(prompt + new)
+
+    def architecture(self):
+        from ..plan.hfconfig import from_hf_config
+
+        return from_hf_config(Path(self.cfg.hf_model) / "config.json")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def model_source(cfg: TrainConfig) -> BuiltinGPT | HFCausalLM:
+    """The model of ``cfg``: checked (its folder, its sequence length) before anything is
+    built."""
+    return HFCausalLM(cfg) if cfg.hf_model else BuiltinGPT(cfg)
