@@ -22,7 +22,8 @@ def test_one_version():
     assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
     assert zeroshard.__version__ == __version__
     # the installed metadata is built from the same assignment (pyproject's attr:)
-    assert importlib.metadata.version("zeroshard") == __version__
+    installed = importlib.metadata.version("zeroshard")
+    assert installed == __version__, f"installed metadata says {installed}: pip install -e ."
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^dynamic = \["version"\]', pyproject, re.M)
     assert 'attr = "zeroshard._version.__version__"' in pyproject
