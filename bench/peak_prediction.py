@@ -6,9 +6,13 @@ Hugging Face GPT-2, Llama and Qwen2, at stages 1 and 3, in fp32 and bf16.
 
 N = 2, prefetch 1, 4 sequences per rank, one profiled training step after a first one.
 The plan is ``zeroshard.plan.peak.peak(...).profiled``: the largest of the loss's
-backward, a unit's backward and the optimizer step, without what the profiler cannot
-see (autograd's gradients, the optimizer's temporaries), from the architecture of each
-model (its family's activation model, the root unit of embeddings and head).
+backward, each unit's backward (``plan/backward.py``: reductions in flight, landed
+slots, gathers) and the optimizer step, without what the profiler cannot see
+(autograd's gradients, full gradients at stages 2-3 before they are packed, the
+optimizer's temporaries), from the architecture of each model (its family's activation
+model, the root unit of embeddings and head). Planned and measured moments are named
+by the engine's unit numbers (the root unit 0); the measured one is the profiler's
+event at its peak.
 """
 
 from __future__ import annotations
@@ -90,10 +94,11 @@ def _rank(name: str, stage: int, precision: str) -> dict:
     work = Workload(batch // world * seq, seq, checkpointing=False, flash_attention=True)
     plan = peak(ModelSpec.from_arch(arch), net.zero_config.recipe, work, world, stage,
                 net.zero_config.prefetch, optimizer_impl="for-loop")
-    k, at = net.profiler.peak()
-    return {"params": params, "planned": plan.profiled, "moment": plan.moment,
+    _, at = net.profiler.peak()
+    where = at.kind.replace("_", " ") + ("" if at.unit is None else f" (unit {at.unit})")
+    return {"params": params, "planned": plan.profiled, "moment": plan.profiled_moment,
             "activations": plan.activations, "measured": net.profiler.total(at),
-            "measured_activations": at.memory["activations"], "where": net.profiler.phase_at(k)}
+            "measured_activations": at.memory["activations"], "where": where}
 
 
 def main() -> None:

@@ -220,8 +220,13 @@ def test_plans_and_peaks_take_what_each_stage_takes():
     base = peak(model, bf16, Workload(), 64, 3)
     assert q.secondary == plans[3].secondary
     assert q.phases["loss backward"] == base.phases["loss backward"] + q.secondary
-    assert q.phases["unit backward"] == base.phases["unit backward"] + q.secondary
-    assert q.phases["backward end"] == base.phases["backward end"] + q.unit_secondary
+    # through the block units' backward the root unit's and the units not yet done
+    root, unit = (8 * 2 * -(-n // 64) for n in (model.arch.root_params,
+                                                model.arch.block_params))
+    assert q.blocks.at == base.blocks.at == "unit 78 begin"  # two of 80 block units done
+    assert q.blocks.bytes == base.blocks.bytes + root + 78 * unit
+    assert q.end.at == base.end.at == "unit 0 end"
+    assert q.end.bytes == base.end.bytes + root
     assert q.phases["optimizer step"] == base.phases["optimizer step"]
     assert peak(model, bf16, Workload(), 64, 2, zeropp=z) == peak(model, bf16, Workload(),
                                                                   64, 2)

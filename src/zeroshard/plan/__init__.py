@@ -40,7 +40,6 @@ from .memory import (
     ring_one_way,
     shard_degree,
     stage_of,
-    transient_bytes,
 )
 from .offload import OFFLOADS, Placement, pcie_bytes, placed_bytes
 from .recipes import DEFAULT_RECIPE, DTYPE_BYTES, RECIPES, Recipe, get_recipe
@@ -56,7 +55,7 @@ __all__ = [
     "comm_bytes", "comm_bytes_by_level", "first_fit", "floor_bytes", "from_hf_config",
     "get_preset", "get_recipe",
     "min_gpus", "model_state_bytes", "plan_all", "plan_strategy", "ring_all_reduce",
-    "ring_one_way", "shard_degree", "stage_of", "transient_bytes", "why_none_fits",
+    "ring_one_way", "shard_degree", "stage_of", "why_none_fits",
     "HOSTS", "Host", "OFFLOADS", "Placement", "get_host", "offload_offer", "pcie_bytes",
     "placed_bytes",
 ]

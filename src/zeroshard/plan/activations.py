@@ -44,6 +44,8 @@ documents write them: ``34·t·h`` 16-bit bytes per layer plus ``5·a·s·t`` wi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .arch import Architecture
 
 #: Bytes per token of the int64 input ids the embedding keeps, and of the loss's labels.
@@ -120,26 +122,56 @@ def loss_backward_bytes(arch: Architecture) -> int:
     return 8 * arch.vocab
 
 
-def family_bytes(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
-                 checkpoint_every: int | None, tp: int = 1) -> int:
-    """Peak saved bytes of a micro-batch of ``tokens`` tokens (sequences of ``seq``):
-    every block, or with checkpointing every k-th block's input and one recomputed
-    block, and the output layer and loss."""
+@dataclass(frozen=True)
+class Saved:
+    """A micro-batch's saved bytes, by when backward frees them."""
+
+    blocks: int
+    """Every block's at the end of the forward (a checkpointed block: its input)."""
+    recompute: int = 0
+    """One checkpointed block recomputed during its backward; 0 without checkpointing."""
+    head: int = 0
+    """The output layer's and the loss's, the input ids included: gone once the head's
+    backward ran, before any block is recomputed."""
+    kept: int = 0
+    """Of ``head``, what outlives every block's backward: the embedding's input ids."""
+
+    @property
+    def peak(self) -> int:
+        """The most saved at once: every block's with the head's or one recomputed
+        block's."""
+        return self.blocks + max(self.head, self.recompute)
+
+
+def family_saved(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
+                 checkpoint_every: int | None, tp: int = 1) -> Saved:
+    """The :class:`Saved` bytes of a micro-batch of ``tokens`` tokens (sequences of
+    ``seq``): every block, or with checkpointing every k-th block's input and one
+    recomputed block, and the output layer and loss."""
     replicated, split = block_parts(arch, b, seq, flash, tokens // seq)
     block = tokens * replicated + -(-tokens * split // tp)
     head = tokens * head_bytes(arch, b)
+    kept = tokens * INDEX_BYTES
     if checkpoint_every is None:
-        return arch.layers * block + head
-    kept = arch.layers // checkpoint_every
-    stored = (arch.layers - kept) * block + kept * tokens * b * arch.hidden
-    return stored + max(head, block)
+        return Saved(arch.layers * block, 0, head, kept)
+    ckpt = arch.layers // checkpoint_every
+    stored = (arch.layers - ckpt) * block + ckpt * tokens * b * arch.hidden
+    return Saved(stored, block, head, kept)
 
 
-def korthikanti_bytes(hidden: int, layers: int, heads: int | None, b: int, tokens: int,
-                      seq: int, flash: bool, checkpointing: bool, tp: int = 1) -> int | None:
+def family_bytes(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
+                 checkpoint_every: int | None, tp: int = 1) -> int:
+    """Peak saved bytes of a micro-batch (:attr:`Saved.peak` of :func:`family_saved`)."""
+    return family_saved(arch, b, tokens, seq, flash, checkpoint_every, tp).peak
+
+
+def korthikanti_saved(hidden: int, layers: int, heads: int | None, b: int, tokens: int,
+                      seq: int, flash: bool, checkpointing: bool,
+                      tp: int = 1) -> Saved | None:
     """The source documents' formula for a bare count: per layer ``t·h·(10 + 24/K)``
     16-bit bytes plus ``5·a·s·t/K`` without flash (Korthikanti et al., 2022, eq. 3);
-    with checkpointing the L layer inputs plus one layer's recompute."""
+    with checkpointing the L layer inputs plus one layer's recompute. No output layer:
+    a bare count has no vocabulary."""
     per_layer_16bit = -(-(10 * tp + 24) * tokens * hidden // tp)
     if not flash:
         if heads is None:
@@ -148,5 +180,13 @@ def korthikanti_bytes(hidden: int, layers: int, heads: int | None, b: int, token
         else:
             per_layer_16bit += -(-5 * heads * seq * tokens // tp)
     if not checkpointing:
-        return layers * per_layer_16bit * b // 2
-    return tokens * hidden * layers * b + per_layer_16bit * b // 2
+        return Saved(layers * per_layer_16bit * b // 2)
+    return Saved(tokens * hidden * layers * b, per_layer_16bit * b // 2)
+
+
+def korthikanti_bytes(hidden: int, layers: int, heads: int | None, b: int, tokens: int,
+                      seq: int, flash: bool, checkpointing: bool, tp: int = 1) -> int | None:
+    """Peak saved bytes of :func:`korthikanti_saved`; None when the heads are needed and
+    unknown."""
+    saved = korthikanti_saved(hidden, layers, heads, b, tokens, seq, flash, checkpointing, tp)
+    return None if saved is None else saved.peak

@@ -52,7 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .activations import family_bytes, korthikanti_bytes
+from .activations import Saved, family_saved, korthikanti_saved
 from .arch import ModelSpec
 from .comm import (  # noqa: F401 - re-exported: the planner's communication model
     QUANT_BLOCK,
@@ -110,22 +110,31 @@ class Workload:
             raise ValueError(f"checkpoint_every={k!r} must be a positive integer")
 
 
-def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
-                     tp: int = 1) -> int | None:
-    """Activation bytes per GPU at their peak (``plan/activations.py``): the family's
-    model when the architecture is known (output layer and loss included), else the
-    source documents' Korthikanti et al. constants; None when the shape is unknown."""
+def activation_saved(model: ModelSpec, recipe: Recipe, work: Workload,
+                     tp: int = 1) -> Saved | None:
+    """Activation bytes per GPU by when backward frees them (``plan/activations.py``):
+    the family's model when the architecture is known (output layer and loss included),
+    else the source documents' Korthikanti et al. constants; None when the shape is
+    unknown."""
     if not model.activations_modelled:
         return None
     b, seq = recipe.activation_bytes, work.seq_len or work.tokens
     every = work.checkpoint_every if work.checkpointing else None
     if model.arch is not None:
-        return family_bytes(model.arch, b, work.tokens, seq, work.flash_attention, every, tp)
+        return family_saved(model.arch, b, work.tokens, seq, work.flash_attention, every, tp)
     if every not in (None, 1):
         raise NotImplementedError("checkpointing every k-th block needs the architecture "
                                   "(a preset, --hf-config or dimensions)")
-    return korthikanti_bytes(model.hidden, model.layers, model.heads, b, work.tokens, seq,
+    return korthikanti_saved(model.hidden, model.layers, model.heads, b, work.tokens, seq,
                              work.flash_attention, work.checkpointing, tp)
+
+
+def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
+                     tp: int = 1) -> int | None:
+    """Activation bytes per GPU at their peak (:attr:`Saved.peak` of
+    :func:`activation_saved`); None when the shape is unknown."""
+    saved = activation_saved(model, recipe, work, tp)
+    return None if saved is None else saved.peak
 
 
 def tp_comm_bytes(model: ModelSpec, recipe: Recipe, work: Workload, tp: int) -> int:
@@ -321,23 +330,3 @@ def plan_all(model, gpus, recipe, work=None, budget=None, tp=1,
     return [plan_strategy(model, gpus, recipe, s, work, budget, tp, shard_group, offload,
                           None if zeropp is None else zeropp.at(s), blocks_per_unit)
             for s in range(4)]
-
-
-def transient_bytes(recipe: Recipe, stage: int, gpus: int, largest_unit: int,
-                    prefetch: int = 1) -> dict[str, int]:
-    """Transient bytes beside the persistent state while the largest unit (of
-    ``largest_unit`` parameters) is in backward:
-
-    - ``gathered`` (stage 3): its full parameters plus ``prefetch`` more units'
-      worth arriving, ``(1 + prefetch) · U · weight bytes``;
-    - ``buffers``: its full gradients before they are reduced (``U · grad bytes``), the
-      reduction buffer of N slots and its 1/N output (``U · reduce bytes · (1 + 1/N)``),
-      and at stage 3 the all-gather output of a unit in flight (``U · weight bytes``).
-    """
-    u = largest_unit
-    gathered = (1 + prefetch) * u * recipe.weight_bytes if stage == 3 else 0
-    buffers = u * recipe.grad_bytes if stage >= 2 else 0
-    buffers += u * recipe.reduce_bytes + _ceil_div(u * recipe.reduce_bytes, gpus)
-    if stage == 3 and prefetch:
-        buffers += u * recipe.weight_bytes
-    return {"gathered": gathered, "buffers": buffers}

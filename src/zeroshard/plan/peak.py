@@ -1,26 +1,31 @@
 """The peak per GPU: the largest of the moments a training step passes through.
 
 The plan's ``total`` (persistent state plus activations) is the source documents'
-figure. What a GPU must hold is the largest of these moments (each byte term integer):
+figure. What a GPU must hold is the largest of these moments (each byte term integer),
+beside the compute weights and the optimizer state it keeps:
 
-1. **the loss's backward**: persistent state (gradients only when accumulating: the
-   step's first backward starts after ``zero_grad``), every activation of the
-   micro-batch saved (``activations.py``; the output layer's and the loss's included),
-   autograd's dense gradients of the fp32 logits (``activations.loss_backward_bytes``),
-   and at stage 3 the root unit gathered (embeddings and head, used last in forward and
-   first in backward) with the next ``prefetch`` blocks arriving;
-2. **the backward of a unit**: gradients grow as activations are freed, so the
-   largest is at one end — right after the root unit's backward (its gradients, every
-   block's activations, its transients, ``memory.transient_bytes``: gathered weights,
-   full gradients, reduction buffers; the root unit is ``ModelSpec.root_params``, for
-   Llama-3-8B 1.05 B parameters, 4.2× P / L) or at the end of backward (every
-   gradient, the last block unit's transients);
-3. **the optimizer step**: persistent state, the fp32 copy of the owned gradients when
-   the master is fp32 and the gradients are not (the engine's ``step_grads``;
-   DeepSpeed's estimator counts the same 4 bytes, its 18P/N at stage 2), and the
-   optimizer's temporaries: torch's ``foreach`` AdamW holds ``sqrt(v)`` for every owned
-   element at once (``_multi_tensor_adamw``'s ``exp_avg_sq_sqrt``), ``fused`` none,
-   the per-parameter loop one parameter's worth.
+1. **the loss's backward**: every activation of the micro-batch saved
+   (``activations.py``; the output layer's and the loss's included), autograd's dense
+   gradients of the fp32 logits (``activations.loss_backward_bytes``), and at stage 3
+   the root unit gathered (embeddings and head, used last in forward and first in
+   backward; ``ModelSpec.root_params``, for Llama-3-8B 1.05 B parameters, 4.2× P / L)
+   with the next ``prefetch`` block units arriving;
+2. **the block units' backward** (``backward.py``, unit by unit as the engine runs it):
+   gradients made as saved tensors are freed, up to three reduction buffers in flight,
+   the slots of the landed ones, the head's weight gradient waiting for the embedding's,
+   at stage 3 the unit gathered and the next arriving;
+3. **the end of backward**: the root unit's gradients made and its reduction issued;
+4. **the optimizer step**: the gradients, the step's buffers exactly as the engine's
+   ledger holds them in a step pre-hook (``offload.placed_bytes``: stage 1's reduced
+   slot in the gradient dtype beside the full gradients, the fp32 copy of the owned
+   gradients when the master is fp32 and the gradients are not — DeepSpeed's
+   estimator counts the same 4 bytes, its 18P/N at stage 2), and the optimizer's
+   temporaries: torch's ``foreach`` AdamW holds ``sqrt(v)`` for every owned element at
+   once (``_multi_tensor_adamw``'s ``exp_avg_sq_sqrt``), ``fused`` none, the
+   per-parameter loop one parameter's worth.
+
+Gradients are held through backward only when accumulating (the step's first backward
+starts after ``zero_grad``): then the stored gradients, and at stage 1 the reduced slot.
 
 With ``offload`` (``plan/offload.py``) the moments count what stays on the device: the
 master, the optimizer state, the fp32 gradient copies and the step's temporaries move to
@@ -29,12 +34,13 @@ join each gather in flight.
 
 With hpZ (``zeropp``, :class:`~zeroshard.plan.comm.ZeroPP`) every unit keeps its
 secondary shards (K/K2 of its weights' slots) from its forward until its backward is
-done: all of them at the loss's backward and through the root unit's backward, the last
-block unit's at the end of backward, none at the step. qwZ's and qgZ's int8 send and
-receive buffers (about half a unit's weights or gradients in flight) are left out.
+done: all of them at the loss's backward, those of the units not yet done later, none
+at the step. qwZ's and qgZ's int8 send and receive buffers (about half a unit's weights
+or gradients in flight) are left out.
 
-``profiled`` leaves out what the engine's profiler cannot see (autograd's gradients
-and the optimizer's temporaries), for holding the plan against a profile.
+``profiled`` leaves out what the engine's profiler cannot see (autograd's gradients, a
+unit's full gradients at stages 2-3 before they are packed, the optimizer's
+temporaries), for holding the plan against a profile.
 """
 
 from __future__ import annotations
@@ -43,13 +49,13 @@ from dataclasses import dataclass
 
 from .activations import head_bytes, loss_backward_bytes
 from .arch import ModelSpec
+from .backward import BackwardPass, Moment
 from .memory import (
     Workload,
     ZeroPP,
-    activation_bytes,
+    activation_saved,
     secondary_bytes,
     shard_degree,
-    transient_bytes,
     unit_sizes,
 )
 from .offload import offload_at, placed_bytes
@@ -74,44 +80,49 @@ class Peak:
     optimizer: int
     """Master and optimizer state (the plan's ``optimizer``)."""
     activations: int
-    """Saved tensors at the start of backward (output layer and loss included)."""
+    """The most saved at once (output layer and loss included): the plan's figure."""
     head_activations: int
     """Of those, the output layer's and the loss's (gone once the head's backward ran)."""
+    forward_saved: int
+    """Saved at the end of the forward: every block's and the head's."""
     loss_backward: int
     """Autograd's gradients of the fp32 logits while the loss runs backward."""
     root_gathered: int
     """Stage 3 at the loss's backward: the root unit and ``prefetch`` blocks arriving."""
-    root_transients: int
-    """The root unit's backward transients (``memory.transient_bytes``)."""
-    root_grads: int
-    """The root unit's share of the gradients, held once its backward is done."""
-    unit_transients: int
-    """The last block unit's backward transients, when every gradient is held."""
-    step_grads: int
-    """fp32 copies of the owned gradients at the optimizer step."""
+    blocks: Moment
+    """The block units' backward at its largest (``backward.py``), beside the held
+    state."""
+    end: Moment
+    """The root unit's backward and reduction at their largest, beside the held state."""
+    step_buffers: int
+    """At the step: stage 1's reduced slot and the fp32 copies of the owned gradients
+    kept on the device (``offload.placed_bytes``)."""
     optimizer_temporaries: int
     """The optimizer's own temporaries at the step."""
-    accumulating: bool = False
-    """More than one micro-batch per step: gradients are held during backward."""
+    during: int = 0
+    """Gradients held through backward: with accumulation the stored ones (and stage
+    1's reduced slot), none in the step's first backward."""
     host: int = 0
     """Offload: host bytes per GPU at the step (state, fp32 gradients, temporaries)."""
     secondary: int = 0
     """hpZ: every unit's secondary shards, held from the forward into the backward."""
-    unit_secondary: int = 0
-    """hpZ: the last block unit's secondary shards, held through its backward."""
+
+    @property
+    def accumulating(self) -> bool:
+        """Gradients are held through backward (more than one micro-batch a step)."""
+        return self.during > 0
 
     @property
     def phases(self) -> dict[str, int]:
-        """Bytes at the loss's backward, a unit's backward and the optimizer step."""
-        held = self.weights + self.optimizer
-        during = self.grads if self.accumulating else 0
+        """Bytes at the loss's backward, the block units', the end of backward and the
+        optimizer step."""
+        held = self.weights + self.optimizer + self.during
         return {
-            "loss backward": held + during + self.activations + self.loss_backward
+            "loss backward": held + self.forward_saved + self.loss_backward
             + self.root_gathered + self.secondary,
-            "unit backward": held + during + self.root_grads + self.activations
-            - self.head_activations + self.root_transients + self.secondary,
-            "backward end": held + self.grads + self.unit_transients + self.unit_secondary,
-            "optimizer step": held + self.grads + self.step_grads
+            "block backward": held + self.blocks.bytes,
+            "backward end": held + self.end.bytes,
+            "optimizer step": self.weights + self.optimizer + self.grads + self.step_buffers
             + self.optimizer_temporaries,
         }
 
@@ -127,22 +138,39 @@ class Peak:
         return max(phases, key=phases.get)
 
     @property
+    def seen_phases(self) -> dict[str, int]:
+        """:attr:`phases` as the engine's profiler sees them: without autograd's
+        gradients, the full gradients its ledger does not count and the optimizer's
+        temporaries."""
+        held = self.weights + self.optimizer + self.during
+        return {
+            "loss backward": held + self.forward_saved + self.root_gathered + self.secondary,
+            "block backward": held + self.blocks.seen,
+            "backward end": held + self.end.seen,
+            "optimizer step": self.weights + self.optimizer + self.grads + self.step_buffers,
+        }
+
+    @property
     def profiled(self) -> int:
-        """The peak as the engine's profiler sees it: without autograd's gradients and
-        the optimizer's temporaries."""
-        held = self.weights + self.optimizer
-        during = self.grads if self.accumulating else 0
-        phases = self.phases
-        return max(held + during + self.activations + self.root_gathered + self.secondary,
-                   phases["unit backward"], phases["backward end"],
-                   held + self.grads + self.step_grads)
+        """The peak as the engine's profiler sees it (:attr:`seen_phases`)."""
+        return max(self.seen_phases.values())
+
+    @property
+    def profiled_moment(self) -> str:
+        """Which moment :attr:`profiled` is; inside backward, which unit's."""
+        phases = self.seen_phases
+        name = max(phases, key=phases.get)
+        inside = {"block backward": self.blocks.seen_at, "backward end": self.end.seen_at}
+        return f"{name} ({inside[name]})" if name in inside else name
 
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in (
             "weights", "grads", "optimizer", "activations", "head_activations",
-            "loss_backward", "root_gathered", "root_transients", "root_grads",
-            "unit_transients", "step_grads",
-            "optimizer_temporaries", "accumulating", "host", "secondary", "unit_secondary")}
+            "forward_saved", "loss_backward", "root_gathered", "step_buffers",
+            "optimizer_temporaries", "during", "accumulating", "host", "secondary")}
+        for name in ("blocks", "end"):
+            m = getattr(self, name)
+            out[name] = {"bytes": m.bytes, "at": m.at, "seen": m.seen, "seen_at": m.seen_at}
         return {**out, "phases": self.phases, "peak": self.bytes, "moment": self.moment}
 
 
@@ -170,40 +198,58 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     dp = shard_degree(gpus, tp, shard_group)  # the ranks each category is sharded over
     offload = offload_at(stage, offload)
     placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group)
-    weights, grads, optimizer = (placed.device.weights, placed.device.grads,
-                                 placed.device.optimizer)
-    acts = activation_bytes(model, recipe, work, tp) or 0
-    head = 0
-    loss = 0
+    device = placed.device
+    saved = activation_saved(model, recipe, work, tp)
+    acts = saved.peak if saved else 0
+    head = loss = 0
     if model.arch is not None and acts:
         head = work.tokens * head_bytes(model.arch, recipe.activation_bytes)
         loss = work.tokens * loss_backward_bytes(model.arch)
-        if work.checkpointing:  # the recomputed block comes after the head's backward
-            head = min(head, acts - work.tokens * recipe.activation_bytes * model.hidden
-                       * model.layers)
     root, block = unit_params(model, blocks_per_unit, tp)
     gathered = 0
     if stage == 3:
         gathered = (root + prefetch * block) * recipe.weight_bytes
         if offload == "params":  # each gather's input copied up from the host first
             gathered += _ceil_div(root + prefetch * block, dp) * recipe.weight_bytes
-    root_transients = sum(transient_bytes(recipe, stage, dp, root, prefetch).values())
-    transients = sum(transient_bytes(recipe, stage, dp, block, prefetch).values())
-    root_grads = grads * root // max(1, _ceil_div(model.params, tp))
     owned = _ceil_div(model.params, tp) if stage == 0 else _ceil_div(model.params, tp * dp)
-    step_grads = owned * recipe.master_bytes if (
-        recipe.master_bytes and recipe.master_dtype != recipe.grad_dtype) else 0
     state = recipe.optimizer_bytes - recipe.master_bytes  # bytes per element of the moments
     per_state = state // recipe.optimizer_states if recipe.optimizer_states else 0
     largest = max(root, block) if stage == 0 else _ceil_div(max(root, block), dp)
     temporaries = {"foreach": owned * per_state, "fused": 0,
                    "for-loop": largest * per_state}[optimizer_impl]
-    if offload:  # the fp32 gradients and the step's temporaries are the host's
-        host, step_grads, temporaries = placed.host.total + temporaries, 0, 0
-    else:
-        host = 0
+    host = placed.host.total + temporaries if offload else 0
+    if offload:  # the step's temporaries are the host's
+        temporaries = 0
+    during = 0
+    if micro_batches > 1:  # stage 1's reduced slot lives from one backward to the next
+        during = device.grads + (owned * recipe.grad_bytes if stage == 1 else 0)
     kept = secondary_bytes(model.params, gpus, recipe, stage, shard_group, tp,
                            zeropp and zeropp.at(stage), unit_sizes(model, blocks_per_unit))
-    return Peak(weights, grads, optimizer, acts, head, loss, gathered, root_transients,
-                root_grads, transients, step_grads, temporaries, micro_batches > 1, host,
-                sum(kept), max(kept[1:] or kept or [0]))
+    walk = _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, tp,
+                     micro_batches > 1, offload == "params", kept)
+    forward_saved = saved.blocks + saved.head if saved else 0
+    return Peak(device.weights, device.grads, device.optimizer, acts, head, forward_saved,
+                loss, gathered, walk.blocks_moment(), walk.end_moment(), device.buffers,
+                temporaries, during, host, sum(kept))
+
+
+def _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, tp,
+              accumulating, params_offloaded, kept) -> BackwardPass:
+    """The :class:`BackwardPass` of this model and workload: units of
+    ``blocks_per_unit`` blocks, each block unit's share of the saved bytes (every block
+    alike), a bare count's units all block units (no root, no head)."""
+    layers = model.layers or 1
+    per_unit = min(max(1, blocks_per_unit), layers)
+    units = _ceil_div(layers, per_unit)
+    arch = model.arch
+    unit = _ceil_div(per_unit * model.block_params, tp) if model.layers else _ceil_div(
+        model.params, tp)
+    root = _ceil_div(arch.root_params, tp) if arch else 0
+    head = _ceil_div(arch.vocab * arch.hidden, tp) if arch else 0
+    block_saved = _ceil_div(saved.blocks * per_unit, layers) if saved else 0
+    secondary_root = kept[0] if kept and arch else 0
+    secondary_unit = max(kept[1:] if arch else kept, default=0)
+    return BackwardPass(stage, dp, recipe, units, unit, root, head, bool(arch and arch.tied),
+                        block_saved, saved.recompute if saved else 0,
+                        saved.kept if saved else 0, prefetch if stage == 3 else 0,
+                        accumulating, params_offloaded, secondary_root, secondary_unit)

@@ -1,41 +1,24 @@
 """``zeroshard plan --recommend``: the configuration to run, and why.
 
-Every combination of stage (0–3), tensor-parallel degree, shard group (plain, or hybrid
-sharding in groups of whole nodes), blocks per unit (1, 2, 4), stage-3 prefetch depth
-(0, 1, 2) and activation checkpointing is given the largest
-micro-batch that fits; the survivors are ranked by the step-time model. The source
-documents' stage-selection guide is encoded as rules on top of that ranking:
+``search.py`` finds every configuration that fits, each with the largest micro-batch
+whose planned peak stays within the budget less the headroom, and its predicted step
+time. The source documents' stage-selection guide is encoded as rules on top of that
+ranking:
 
-- **fits with headroom**: the planned peak (``peak.peak``: the loss's backward with
-  every activation and the logits' gradients, the largest unit's backward — the root
-  unit's or a block group's — and the optimizer step with its fp32 gradient copies and
-  temporaries) stays within the budget less :data:`HEADROOM` (the first source
-  document: leave 10–20 % for fragmentation);
 - **lowest stage first**: DDP if it fits, else ZeRO-1 or 2 (same traffic as DDP), else
   ZeRO-3 — a higher stage, deeper prefetch, larger TP degree or checkpointing is chosen
   only when it is more than :data:`TIE` faster than the simpler configuration;
 - **one block per unit** unless coarser units are faster (the first source document:
   wrap per transformer block);
-- **tensor parallelism inside a node only** (the third source document: TP needs
-  NVLink; at most ``gpus_per_node``), and only when the heads divide by it;
-- **hybrid sharding only when it pays** (the first source document: shard within a
-  node, replicate across nodes; FSDP2's HSDP, DeepSpeed's MiCS): stages 1–3 over groups
-  of K data-parallel ranks that fill 1, 2, 4, … nodes, K a proper divisor of the
-  ranks. The group's gathers and reductions move to the fast link and only 1/K of the
-  gradients crosses between groups, at the price of the stage's state over K instead
-  of N (16P/K at stage 3); plain sharding over every rank is preferred unless the
-  group is more than :data:`TIE` faster. (Stage 0 in groups holds what DDP holds and
-  sends more: it is not tried.)
-
+- **hybrid sharding only when it pays**: the group's gathers and reductions move to the
+  fast link and only 1/K of the gradients crosses between groups, at the price of the
+  stage's state over K instead of N (16P/K at stage 3); plain sharding over every rank
+  is preferred unless the group is more than :data:`TIE` faster;
 - **offload only when nothing else fits** (``plan/offload.py``; the source documents'
   "ZeRO-3 + offloading" for the largest models): if no configuration fits the device,
   the search runs again with the optimizer in host memory (stages 1-3), then with the
   weight shards there too (stage 3), and the ``offload`` reason says what it costs in
   time: PCIe copies on the compute path and the host step.
-
-Micro-batches are whole sequences; the global batch (sequences per optimizer step)
-must divide by the data-parallel degree times the micro-batch, the rest being gradient
-accumulation steps.
 """
 
 from __future__ import annotations
@@ -45,72 +28,12 @@ from dataclasses import dataclass, field
 from . import reasons
 from .arch import ModelSpec
 from .hardware import Cluster
-from .memory import STRATEGIES, Workload, shard_degree
-from .peak import peak
 from .reasons import BLOCKS_PER_UNIT, PREFETCH, TIE
 from .recipes import Recipe
-from .steptime import Schedule, StepTime, step_time
+from .search import HEADROOM, TP_DEGREES, Candidate, search, shard_groups
 
-#: Fraction of GPU memory left free (fragmentation, allocator, workspaces).
-HEADROOM = 0.10
-TP_DEGREES = (1, 2, 4, 8)
 __all__ = ["BLOCKS_PER_UNIT", "HEADROOM", "PREFETCH", "TIE", "TP_DEGREES", "Candidate",
            "Recommendation", "choose", "recommend", "search", "shard_groups"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration that fits, with its memory and predicted time."""
-
-    stage: int
-    """ZeRO stage 0-3."""
-    tp: int
-    """Tensor-parallel degree."""
-    blocks_per_unit: int
-    """Transformer blocks per unit."""
-    prefetch: int
-    """Stage-3 prefetch depth (0 below stage 3: nothing is gathered before use)."""
-    checkpointing: bool
-    """Activation checkpointing."""
-    micro_batch: int
-    """Sequences per GPU per forward."""
-    accumulation: int
-    """Micro-batches per optimizer step."""
-    memory: int
-    """Peak bytes per GPU: persistent state, activations and transient buffers."""
-    time: StepTime
-    """The step-time model's prediction."""
-    shard_group: int | None = None
-    """Hybrid sharding: data-parallel ranks per shard group (None: plain, over all)."""
-    dp: int = 0
-    """Data-parallel ranks (GPUs / tp)."""
-    offload: str | None = None
-    """What lives in host memory (``plan/offload.py``), None: nothing."""
-
-    @property
-    def strategy(self) -> str:
-        return STRATEGIES[self.stage]
-
-    @property
-    def group_gpus(self) -> int | None:
-        """GPUs a shard group spans (K·tp), None when plain: the same layout at any TP."""
-        return None if self.shard_group is None else self.shard_group * self.tp
-
-    @property
-    def key(self) -> tuple:
-        """How much machinery it needs, least first (the rule order of the module)."""
-        return (self.offload is not None, self.offload == "params", self.stage, self.tp,
-                self.shard_group is not None, self.checkpointing,
-                self.prefetch, self.blocks_per_unit != 1, self.blocks_per_unit,
-                -self.micro_batch)
-
-    def as_dict(self) -> dict:
-        return {"strategy": self.strategy, "stage": self.stage, "tp": self.tp,
-                "shard_group": self.shard_group, "offload": self.offload,
-                "blocks_per_unit": self.blocks_per_unit, "prefetch": self.prefetch,
-                "checkpointing": self.checkpointing, "micro_batch": self.micro_batch,
-                "accumulation": self.accumulation, "memory": self.memory,
-                "time": self.time.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -137,102 +60,6 @@ class Recommendation:
         return {"best": self.best.as_dict() if self.best else None, "reasons": self.reasons,
                 "runners_up": [c.as_dict() for c in self.runners_up], "budget": self.budget,
                 "headroom": self.headroom, "notes": list(self.notes)}
-
-
-def _divisors_desc(n: int) -> list[int]:
-    return [d for d in range(n, 0, -1) if n % d == 0]
-
-
-def shard_groups(gpus: int, tp: int, cluster: Cluster) -> list[int]:
-    """Hybrid shard groups worth trying at ``tp``: the data-parallel ranks of 1, 2, 4, …
-    whole nodes, each a proper divisor of the ranks (a group of all is plain)."""
-    dp, per_node = gpus // tp, max(1, cluster.gpus_per_node // tp)
-    out, k = [], per_node
-    while k < dp:
-        if dp % k == 0:
-            out.append(k)
-        k *= 2
-    return out
-
-
-def _memory(model, recipe, gpus, tp, stage, work, blocks, prefetch, micro_batches=1,
-            shard_group=None, offload=None) -> int:
-    """The planned peak (``peak.peak``): the loss's backward with its logits' gradients,
-    a unit's backward with the root unit's or a block group's transients, the step."""
-    return peak(model, recipe, work, gpus, stage, prefetch, blocks, tp, micro_batches,
-                shard_group=shard_group, offload=offload).bytes
-
-
-def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
-           global_batch: int, seq_len: int, flash_attention: bool = False,
-           tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM,
-           shard_group: int | str | None = None, offload: str | None = None):
-    """(every fitting candidate, the smallest need per (stage, tp, shard group), the TP
-    degrees tried, the hybrid shard groups tried per TP degree). ``shard_group`` given:
-    that group only, at the TP degrees whose data-parallel ranks it divides (all the
-    ranks: plain only; ``"node"``: a node's data-parallel ranks at each degree); None:
-    plain and :func:`shard_groups`. ``offload``: only the stages that take it, with it."""
-    if model.hidden is None or model.layers is None:
-        raise ValueError("--recommend needs the model's shape: give --hidden and --layers "
-                         "(or a preset)")
-    if tp is not None:
-        tps = [tp]
-    else:
-        tps = [k for k in TP_DEGREES if k <= cluster.gpus_per_node and gpus % k == 0
-               and (model.heads is None or model.heads % k == 0)]
-    limit = int(budget * (1 - headroom))
-    if isinstance(shard_group, int) and not any(
-            gpus % k == 0 and (gpus // k) % shard_group == 0 for k in tps):
-        shard_degree(gpus, tps[0], shard_group)  # names the ranks it does not divide
-    found, need, groups = [], {}, {}
-    for k in tps:
-        dp = gpus // k
-        if gpus % k or global_batch % dp:
-            continue
-        fixed = max(1, cluster.gpus_per_node // k) if shard_group == "node" else shard_group
-        if fixed is not None and dp % fixed:
-            continue  # a group that does not divide these ranks
-        if fixed is None:
-            groups[k] = shard_groups(gpus, k, cluster)
-        elif fixed < dp:
-            groups[k] = [fixed]
-        per_rank = global_batch // dp
-        for stage in {None: range(4), "optimizer": (1, 2, 3), "params": (3,)}[offload]:
-            hybrid = groups.get(k, []) if stage else []
-            plain = [None] if fixed is None or fixed == dp else []
-            for group in plain + hybrid:
-                found += _fits(model, recipe, gpus, cluster, k, stage, group, per_rank,
-                               seq_len, flash_attention, prefetch, limit, need, offload)
-    return found, need, tps, groups
-
-
-def _fits(model, recipe, gpus, cluster, tp, stage, group, per_rank, seq_len, flash,
-          prefetch, limit, need, offload=None) -> list[Candidate]:
-    """The candidates of one (tp, stage, shard group): per checkpointing, unit size and
-    depth, the largest micro-batch whose peak fits ``limit``; ``need`` keeps the least
-    any of them needs."""
-    out = []
-    depths = (PREFETCH if prefetch is None else (prefetch,)) if stage == 3 else (0,)
-    for ckpt in (False, True):
-        for blocks in BLOCKS_PER_UNIT:
-            if blocks > model.layers:
-                continue
-            for depth in depths:
-                for micro in _divisors_desc(per_rank):
-                    work = Workload(micro * seq_len, seq_len, ckpt, flash)
-                    acc = per_rank // micro
-                    mem = _memory(model, recipe, gpus, tp, stage, work, blocks, depth, acc,
-                                  group, offload)
-                    key = (stage, tp, group)
-                    need[key] = min(need.get(key, mem), mem)
-                    if mem <= limit:
-                        sched = Schedule(stage, blocks, depth, acc, tp, group, offload)
-                        out.append(Candidate(
-                            stage, tp, blocks, depth, ckpt, micro, acc, mem,
-                            step_time(model, recipe, work, gpus, cluster, sched), group,
-                            gpus // tp, offload))
-                        break
-    return out
 
 
 def choose(found: list[Candidate]) -> Candidate:
