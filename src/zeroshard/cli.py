@@ -16,7 +16,8 @@ from zeroshard._version import __version__
 # subcommand -> (module with add_arguments(parser) and run(args), one-line help)
 COMMANDS = {
     "plan": ("zeroshard.plan.command", "memory and communication per GPU before a run"),
-    "train": ("zeroshard.train", "train the built-in GPT on the built-in corpus over N processes"),
+    "train": ("zeroshard.train", "train sharded over N processes: the built-in GPT, or a "
+              "local Hugging Face model on your data (--hf-model, --data)"),
     "export": ("zeroshard.checkpoint.export_cmd", "a checkpoint as consolidated safetensors"),
     "inspect": ("zeroshard.checkpoint.inspect_cmd", "what a checkpoint holds, checksums checked"),
     "bench": ("zeroshard.train.granularity", "benchmarks: unit granularity"),
