@@ -35,7 +35,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the ``selected`` subcommand's module is imported."""
-    parser = _Parser(prog="zeroshard", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="zeroshard", description="ZeRO stages 0-3 for PyTorch: a planner, "
+                     "a trainer, checkpoints and the source documents' demo.")
     parser.add_argument("--version", action="version", version=f"zeroshard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
