@@ -175,7 +175,7 @@ def _json_pieces(src: Source, field: str) -> Iterator[Piece]:
 
 
 def read_pieces(sources: tuple[Source, ...], field: str,
-                piece_bytes: int = 1 << 18) -> Iterator[Piece]:
+                piece_bytes: int = 1 << 16) -> Iterator[Piece]:
     """Every document of the text and JSON-lines ``sources`` in order, as pieces. Empty
     documents (an empty file, an empty string) yield only their byte count: they add no
     tokens and no boundary."""
