@@ -20,6 +20,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -28,7 +29,7 @@ from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hfconfig import KINDS, from_hf_config
 from .memory import QUANT_BLOCK, STRATEGIES, Workload, ZeroPP, plan_all, shard_degree, stage_of
-from .offload import OFFLOADS, pcie_bytes
+from .offload import DISK_BANDWIDTH, OFFLOADS, SUB_GROUP_SIZE, disk_io_bytes, on_disk, pcie_bytes
 from .peak import peak
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 
@@ -71,7 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the master and optimizer state in host memory (stages 1-3), "
                         "'params' the weight shards too (stage 3; ZeRO-1/2 then offload the "
                         "optimizer only, DDP nothing): device and host bytes, host memory per "
-                        "node, PCIe bytes per step. Disk offload is not in the engine yet")
+                        "node, PCIe bytes per step")
+    h.add_argument("--offload-dir", action="store_true",
+                   help="with --offload: the master and optimizer state in files (the "
+                        "engine's offload_dir, DeepSpeed's nvme): device, host (the fp32 "
+                        "gradients and the step's sub-group buffers) and disk bytes per GPU, "
+                        "disk per node, disk bytes and seconds per step")
+    h.add_argument("--sub-group-size", type=int, default=SUB_GROUP_SIZE, metavar="G",
+                   help="with --offload-dir: elements stepped at once (the engine's "
+                        f"sub_group_size, default {SUB_GROUP_SIZE:.0e})")
 
     z = p.add_argument_group("ZeRO++ (the engine's secondary_group, quantize_weights, "
                              "quantize_grads; each strategy takes what it can)")
@@ -149,6 +158,39 @@ def resolve_model(args) -> ModelSpec:
             "custom", args.hidden, args.layers, args.heads, args.ffn, args.vocab,
             kv_heads=args.kv_heads, tied=args.tied))
     return ModelSpec.from_arch(PRESETS["llama2-7b"])
+
+
+def _on_disk(args, plans, model, recipe, tp, group) -> dict:
+    """``--offload-dir``: each offloaded plan's placement moved to disk (in place), and
+    per strategy the disk bytes and seconds of a step."""
+    if not args.offload_dir:
+        return {}
+    if not args.offload:
+        raise ValueError("--offload-dir keeps the offloaded optimizer state on disk: add "
+                         "--offload optimizer (or params)")
+    io = {}
+    for k, p in enumerate(plans):
+        if not p.offload:
+            continue
+        stage = stage_of(p.strategy)
+        plans[k] = dataclasses.replace(p, placement=on_disk(
+            p.placement, model.params, args.gpus, recipe, stage, tp, group,
+            args.sub_group_size))
+        moved = disk_io_bytes(model.params, args.gpus, recipe, stage, p.offload, tp, group)
+        io[p.strategy] = {**moved, "seconds": (moved["read"] + moved["write"])
+                          / DISK_BANDWIDTH, "bandwidth": DISK_BANDWIDTH}
+    return io
+
+
+def _disk_line(plans, io, shown, args, unit) -> str:
+    u = "GiB" if args.gib else "GB"
+    parts = [f"{p.strategy} {p.placement.disk.total / unit:.2f} {u} per GPU, "
+             f"{p.placement.disk_per_node(args.gpus_per_node) / unit:.2f} per node, "
+             f"{io[p.strategy]['read'] / unit:.2f} read and written a step, "
+             f"{io[p.strategy]['seconds']:.3f} s" for p in plans
+             if p.strategy in shown and p.strategy in io]
+    return (f"disk (--offload-dir, sub-groups of {args.sub_group_size} elements, "
+            f"{DISK_BANDWIDTH / 1e9:.0f} GB/s per GPU each way): " + "; ".join(parts))
 
 
 def _positive(name: str, value) -> None:
@@ -265,6 +307,7 @@ def run(args) -> int:
         zpp.secondary(shard_degree(args.gpus, tp, group))  # K2 must divide the shard group
     plans = plan_all(model, args.gpus, recipe, work, budget, tp, group, args.offload, zpp,
                      args.blocks_per_unit)
+    disk_io = _on_disk(args, plans, model, recipe, tp, group)
     prefetch = 1 if args.prefetch is None else args.prefetch
     peaks = [peak(model, recipe, work, args.gpus, s, prefetch, args.blocks_per_unit, tp,
                   shard_group=group, offload=args.offload, zeropp=zpp) for s in range(4)]
@@ -295,7 +338,11 @@ def run(args) -> int:
             rows = iter(out["strategies"])
             for p, pc in zip(plans, moved):
                 if p.strategy in shown:
-                    next(rows).update(host_per_node=p.host * args.gpus_per_node, pcie=pc)
+                    row = next(rows)
+                    row.update(host_per_node=p.host * args.gpus_per_node, pcie=pc)
+                    if args.offload_dir and p.offload:
+                        row.update(disk_per_node=p.placement.disk_per_node(args.gpus_per_node),
+                                   disk_io=disk_io[p.strategy])
         if mins is not None:
             out["min_gpus"] = [m.as_dict() for m in mins if m.strategy in shown]
         if sweep_plans is not None:
@@ -309,6 +356,8 @@ def run(args) -> int:
         render.plan_table(model, recipe, work, args.gpus, budget, plans, shown, unit, args.gib)
         if args.offload:
             render.offload_lines(plans, moved, shown, args.gpus_per_node, unit, args.gib)
+            if args.offload_dir:
+                render.line(_disk_line(plans, disk_io, shown, args, unit))
         if zpp is not None:
             render.zeropp_line(zpp, plans, shown, unit, args.gib)
         render.line("peak per GPU (the largest of the loss's backward, a unit's backward "

@@ -32,8 +32,15 @@ two gathers per micro-batch, ``2·A·w·n``, and the step's cast stays on the ho
 **The host step** streams, per owned element, the master and the moments read and
 written and the fp32 gradient read, and writes the cast compute copy when its dtype
 differs: ``2·(m + S) + m + [w ≠ m]·w`` bytes, 28 in fp32 and 30 under bf16 AdamW
-(docs/offload.md: torch's fused CPU AdamW, bandwidth-bound). Disk offload
-(``offload_dir``) is not in the engine yet, so the planner has no ``--offload-dir``.
+(docs/offload.md: torch's fused CPU AdamW, bandwidth-bound).
+
+**Disk offload** (``offload_dir``, ``--offload-dir``; ``offload/stream.py``): the
+master and the states move from the host to files, ``(m + S)·n`` per GPU on disk; the
+host keeps the fp32 gradient copy and the step's sub-group buffers, three of
+``(m + S)·G`` bytes for sub-groups of G = ``sub_group_size`` elements (fewer when the
+rank's n elements make fewer sub-groups, and ``min(G, n)`` each). Every step reads and
+writes the whole partition: ``(m + S)·n`` bytes each way per GPU, at
+``DISK_BANDWIDTH`` unless told otherwise.
 """
 
 from __future__ import annotations
@@ -48,6 +55,11 @@ from .recipes import DTYPE_BYTES, Recipe
 OFFLOADS = ("optimizer", "params")
 #: The master's bytes when the recipe has none: the engine keeps an fp32 host copy.
 HOST_MASTER_BYTES = DTYPE_BYTES["fp32"]
+#: The engine's default ``ZeroConfig.sub_group_size``.
+SUB_GROUP_SIZE = 100_000_000
+#: Bytes/s one GPU's share of the node's disks reads or writes (one direction at a
+#: time): the order of one PCIe 4.0 x4 NVMe drive's sequential rate per GPU.
+DISK_BANDWIDTH = 5e9
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -116,16 +128,23 @@ class Placement:
     """On the GPU."""
     host: Bytes
     """In host memory (pinned under CUDA)."""
+    disk: Bytes = Bytes()
+    """In files (disk offload): the master and the optimizer states."""
 
     def host_per_node(self, gpus_per_node: int) -> int:
         """Host memory a node must hold for its ``gpus_per_node`` GPUs' state."""
         return self.host.total * gpus_per_node
 
+    def disk_per_node(self, gpus_per_node: int) -> int:
+        """Disk space a node must have for its ``gpus_per_node`` GPUs' files."""
+        return self.disk.total * gpus_per_node
+
     def as_dict(self, gpus_per_node: int | None = None) -> dict:
         out = {"offload": self.offload, "device": self.device.as_dict(),
-               "host": self.host.as_dict()}
+               "host": self.host.as_dict(), "disk": self.disk.as_dict()}
         if gpus_per_node is not None:
             out["host_per_node"] = self.host_per_node(gpus_per_node)
+            out["disk_per_node"] = self.disk_per_node(gpus_per_node)
         return out
 
 
@@ -181,3 +200,41 @@ def host_step_bytes(recipe: Recipe, offload: str | None) -> int:
     states = recipe.optimizer_bytes - recipe.master_bytes
     cast = recipe.weight_bytes if recipe.weight_bytes != m else 0
     return 2 * (m + states) + m + cast
+
+
+def sub_group_buffers(owned_elements: int, state_bytes: int, sub_group_size: int) -> int:
+    """Host bytes of disk offload's step buffers: up to three sub-groups (one read
+    ahead, one stepping, one written back) of ``min(G, n)`` elements, ``state_bytes``
+    (master and states) each."""
+    if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or (
+            sub_group_size < 1):
+        raise ValueError(f"sub_group_size={sub_group_size!r} must be an integer >= 1 "
+                         "(elements of the optimizer partition stepped at once)")
+    if owned_elements <= 0:
+        return 0
+    groups = _ceil_div(owned_elements, sub_group_size)
+    return min(3, groups) * state_bytes * min(sub_group_size, owned_elements)
+
+
+def on_disk(placed: Placement, params: int, gpus: int, recipe: Recipe, stage: int,
+            tp: int = 1, shard_group: int | None = None,
+            sub_group_size: int = SUB_GROUP_SIZE) -> Placement:
+    """``placed`` (an offloaded :func:`placed_bytes`) with the master and the states in
+    files: the host keeps the fp32 gradient copy and gains the sub-group buffers."""
+    if placed.offload is None:
+        raise ValueError("offload_dir keeps the offloaded optimizer state on disk: set "
+                         "--offload optimizer (or params)")
+    n = owned(params, gpus, stage, tp, shard_group)
+    per = master_bytes(recipe, placed.offload) + recipe.optimizer_bytes - recipe.master_bytes
+    buffers = sub_group_buffers(n, per, sub_group_size)
+    host = Bytes(placed.host.weights, placed.host.grads, 0, placed.host.buffers + buffers)
+    return Placement(placed.offload, placed.device, host, Bytes(optimizer=placed.host.optimizer))
+
+
+def disk_io_bytes(params: int, gpus: int, recipe: Recipe, stage: int, offload: str,
+                  tp: int = 1, shard_group: int | None = None) -> dict[str, int]:
+    """Bytes one GPU's step reads from and writes to its files: the whole partition's
+    master and states, each way."""
+    n = owned(params, gpus, stage, tp, shard_group)
+    per = master_bytes(recipe, offload) + recipe.optimizer_bytes - recipe.master_bytes
+    return {"read": per * n, "write": per * n}
