@@ -134,9 +134,9 @@ def _grid(root, full):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("disk")
-    full = tmp_path_factory.mktemp("full")  # a 16 KiB file system: smaller than
-    # any rank's state, even once the other rank's files are gone
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)],
+    full = tmp_path_factory.mktemp("full")  # a 64 KiB file system: smaller than
+    # the two ranks' state, large enough for one rank's once the other's files are gone
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)],
                              capture_output=True).returncode == 0
     try:
         yield spawn(_grid, 2, str(root), str(full) if mounted else None, timeout=600)
@@ -220,11 +220,12 @@ def test_refused_optimizers_are_one_line(ranks):
 
 def test_a_full_disk_is_one_line(ranks):
     if "full" not in ranks[0]:
-        pytest.skip("mounting a 16 KiB tmpfs was not permitted")
-    for r in ranks:
-        assert r["full"].startswith("OffloadDiskError: offload_dir '")
-        assert "is full: writing" in r["full"] and "(No space left on device)" in r["full"]
-        assert "\n" not in r["full"]
+        pytest.skip("mounting a 64 KiB tmpfs was not permitted")
+    first = ranks[0]["full"]
+    assert first.startswith("OffloadDiskError: rank ") and ": offload_dir '" in first
+    assert "is full: writing" in first and "(No space left on device)" in first
+    assert "\n" not in first
+    assert ranks[1]["full"] == first  # every rank stops, with the same line
 
 
 @pytest.mark.parametrize("options,message", [

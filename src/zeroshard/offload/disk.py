@@ -35,6 +35,7 @@ import tempfile
 import weakref
 
 import torch
+import torch.distributed as dist
 
 #: The planes of a unit's file, in order.
 PLANES = ("master", "exp_avg", "exp_avg_sq")
@@ -145,5 +146,16 @@ def place_on_disk(master: torch.Tensor, offload_dir: str, comm, index: int):
     unit with nothing to step keeps its empty master and gets no file."""
     if not master.numel():
         return None, master
-    disk = UnitFile(scratch_folder(offload_dir, comm), index, master)
+    disk, problem = None, None
+    try:
+        disk = UnitFile(scratch_folder(offload_dir, comm), index, master)
+    except OffloadDiskError as exc:
+        problem = f"rank {comm.dp_rank}: {exc}"
+    # Every rank learns of a failure on any (one disk fuller than another's): all stop
+    # here with the same line, rather than the others wait in a later collective.
+    problems = [None] * comm.dp_world
+    dist.all_gather_object(problems, problem, group=comm.group)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise OffloadDiskError(first)
     return disk, disk.planes[0]
