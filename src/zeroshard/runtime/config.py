@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .._jsonfile import read_json_object
+from ..offload.options import check_disk, deepspeed_offload
 from ..plan.recipes import RECIPES, Recipe, get_recipe
 from .nonfinite import POLICIES
 
@@ -33,7 +33,7 @@ DEEPSPEED_KEYS = {
     "zero_optimization.sub_group_size": "sub_group_size",
 }
 #: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by
-#: ``_deepspeed_offload`` into ``offload`` and ``offload_dir``.
+#: ``offload.options.deepspeed_offload`` into ``offload`` and ``offload_dir``.
 _OFFLOAD_KEYS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
 
@@ -233,7 +233,7 @@ class ZeroConfig:
             raise ValueError(f"offload='params' keeps the weight shards on the host, which "
                              f"only stage 3 has; got stage={self.stage}: use stage 3 or "
                              "offload='optimizer'")
-        _check_disk(self)
+        check_disk(self)
         if self.nonfinite not in POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, POLICIES))}")
@@ -272,7 +272,7 @@ class ZeroConfig:
         if ignored:
             warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",
                           stacklevel=3)
-        kwargs = {"stage": 0, **_deepspeed_offload(sections["zero_optimization"])}
+        kwargs = {"stage": 0, **deepspeed_offload(sections["zero_optimization"])}
         for key, name in DEEPSPEED_KEYS.items():
             section, _, leaf = key.partition(".")
             if leaf in sections[section] and name != "mixed_precision":
@@ -316,59 +316,3 @@ class ZeroConfig:
             return cls.from_dict(read_json_object(config, "config"))
         raise ValueError(f"config={config!r}; expected a ZeroConfig, a dict or a JSON file path")
 
-
-def _check_disk(config: ZeroConfig) -> None:
-    """``offload_dir`` and ``sub_group_size``: one line naming what cannot be used."""
-    n = config.sub_group_size
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"sub_group_size={n!r} must be an integer >= 1 (elements of the "
-                         "optimizer partition stepped at once)")
-    where = config.offload_dir
-    if where is None:
-        return
-    if not isinstance(where, (str, Path)) or not str(where):
-        raise ValueError(f"offload_dir={where!r}; expected the path of a writable directory")
-    if not config.offload:
-        raise ValueError(f"offload_dir={str(where)!r} keeps the offloaded optimizer state on "
-                         "disk, but offload=None: set offload='optimizer' (or 'params')")
-    path = Path(where)
-    if not path.exists():
-        raise ValueError(f"offload_dir={str(where)!r} does not exist; expected an existing "
-                         "writable directory")
-    if not path.is_dir():
-        raise ValueError(f"offload_dir={str(where)!r} is not a directory; expected an "
-                         "existing writable directory")
-    try:  # the file system's answer, not the permission bits (root passes os.access)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        raise ValueError(f"offload_dir={str(where)!r} is not writable ({exc.strerror or exc});"
-                         " expected an existing writable directory") from None
-    object.__setattr__(config, "offload_dir", str(where))
-
-
-def _deepspeed_offload(zero: dict) -> dict:
-    """``offload``/``offload_dir`` from DeepSpeed's ``offload_optimizer`` and
-    ``offload_param`` sections: device "cpu" is host memory, "nvme" files under
-    ``nvme_path`` (the optimizer's only), "none" or no section is no offload."""
-    out = {}
-    for section, mode in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
-        block = zero.get(section)
-        if block is None:
-            continue
-        if not isinstance(block, dict):
-            raise ValueError(f"zero_optimization.{section}={block!r} must be a JSON object")
-        device = block.get("device", "none")
-        if device not in ("none", "cpu", "nvme") or (device == "nvme" and mode == "params"):
-            accepted = "'none', 'cpu' or 'nvme'" if mode == "optimizer" else "'none' or 'cpu'"
-            raise ValueError(f"zero_optimization.{section}.device={device!r}; expected "
-                             f"{accepted}")
-        if device == "none":
-            continue
-        out["offload"] = mode
-        if device == "nvme":
-            if "nvme_path" not in block:
-                raise ValueError(f"zero_optimization.{section}.device='nvme' needs nvme_path "
-                                 "(the directory the optimizer state is written to)")
-            out["offload_dir"] = block["nvme_path"]
-    return out
