@@ -1,11 +1,13 @@
-"""The planned peak: the loss's backward, a unit's backward and the optimizer step, and
-``--recommend`` held to it (issue #19's Llama-3-8B case replayed)."""
+"""The planned peak: the loss's backward, each unit's backward, the end of backward and
+the optimizer step, held against the engine's profile; ``--recommend`` held to it (the
+Llama-3-8B case of 64 sequences of 8,192 tokens on 8 H100s replayed)."""
 
 from __future__ import annotations
 
 import pytest
 
-from zeroshard.plan import ModelSpec, Workload, get_preset, get_recipe
+from zeroshard.plan import Architecture, ModelSpec, Workload, get_preset, get_recipe
+from zeroshard.plan.backward import BackwardPass
 from zeroshard.plan.hardware import Cluster, get_accelerator, get_network
 from zeroshard.plan.peak import peak
 from zeroshard.plan.recommend import recommend
@@ -67,3 +69,99 @@ def test_recommend_replays_the_llama3_8b_case():
                            c.accumulation)
             assert c.memory == planned.bytes <= 72 * GB
         assert rec.best.micro_batch == 1
+
+
+#: Hugging Face GPT-2 as bench/peak_prediction.py builds it: h = 128, 4 layers, V = 256,
+#: 64 learned positions, the head tied to the embedding; 4 sequences of 64 tokens a rank.
+HF_GPT2 = ModelSpec.from_arch(Architecture(
+    "hf-gpt2", 128, 4, 4, 512, 256, tied=True, max_positions=64, gated_mlp=False,
+    norm_bias=True, linear_bias=True, family="gpt"))
+GPT2_WORK = Workload(256, 64, checkpointing=False, flash_attention=True)
+#: the engine's recipes: zs.shard(mixed_precision=None or "bf16"), reducing in fp32 under
+#: a master (runtime/config.py)
+ENGINE_RECIPES = {"fp32": get_recipe("fp32-adamw"), "bf16": BF16.with_reduce_dtype("fp32")}
+#: (precision, stage) -> the profiler's total at ``step_begin`` of the second step, N = 2
+#: gloo ranks (bench/peak_prediction.py's run; no padding at N = 2): stage 1 holds its
+#: reduced slot in the gradient dtype beside the full gradients (and under bf16 the fp32
+#: copy of the owned ones), stages 2-3 the gradient shard and the fp32 copy.
+STEP_BEGIN = {
+    ("fp32", 0): 13_348_864, ("fp32", 1): 11_680_256, ("fp32", 2): 8_343_040,
+    ("fp32", 3): 6_674_432, ("bf16", 0): 16_686_080, ("bf16", 1): 10_845_952,
+    ("bf16", 2): 9_177_344, ("bf16", 3): 8_343_040,
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_BEGIN), ids=str)
+def test_step_is_the_engines_ledger(case):
+    precision, stage = case
+    p = peak(HF_GPT2, ENGINE_RECIPES[precision], GPT2_WORK, 2, stage, optimizer_impl="fused")
+    assert p.seen_phases["optimizer step"] == p.phases["optimizer step"] == STEP_BEGIN[case]
+    if stage == 1:  # the reduced slot: P/N in the gradient dtype
+        slot = HF_GPT2.params // 2 * ENGINE_RECIPES[precision].grad_bytes
+        assert p.step_buffers == slot + (2 * slot if precision == "bf16" else 0)
+
+
+#: (precision, stage) -> (the profiler's event at its peak, the plan's moment, bytes
+#: measured), same runs. The measured side holds what the plan leaves out: the rows of
+#: the bench's batch are a slice of the loader's (8, 65) int64 batch, whose whole
+#: storage the profiler counts (4,160 bytes for the 2,048 of 4 x 64 ids), GPT-2's
+#: position ids (64 int64, 512 bytes a micro-batch), and each reduction in flight
+#: carries one presence flag per parameter tensor, 12 a GPT-2 block, 4 bytes each in the
+#: N slots and the output (144 bytes).
+PROFILED_PEAK = {
+    ("bf16", 1): ("reduce_issued unit 2", "block backward (unit 2 issued)", 12_493_296, 3),
+    ("bf16", 3): ("gather_issued unit 1", "block backward (unit 2 begin)", 11_209_312, 2),
+    ("fp32", 3): ("gather_issued unit 3", "block backward (unit 4 begin)", 15_182_912, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(PROFILED_PEAK), ids=str)
+def test_backward_walk_replays_the_profile(case):
+    """The peaks the old plan missed (HF GPT-2 at stage 1 in bf16: -9.6 %): inside the
+    blocks' backward, with reductions and gathers in flight."""
+    precision, stage = case
+    _, moment, measured, flying = PROFILED_PEAK[case]
+    p = peak(HF_GPT2, ENGINE_RECIPES[precision], GPT2_WORK, 2, stage, optimizer_impl="fused")
+    assert p.profiled_moment == moment
+    assert p.profiled == measured - (4160 - 2048) - 512 - 144 * flying
+
+
+def _walk(stage: int, recipe=BF16, **kw) -> BackwardPass:
+    """Four block units of 1,000 parameters (1,000 saved bytes each), a root of 500
+    with a head of 300 and a final norm of 10, on N = 4."""
+    return BackwardPass(stage, 4, recipe, 4, 1000, 500, 300, False, 10, 1000, **kw)
+
+
+def test_three_reductions_exist_as_the_third_is_issued():
+    """The engine issues a reduction, then lands the oldest while more than two are in
+    flight: fp32 reduction of bf16 gradients at stage 2, a buffer of 4 x 1,000 bytes and
+    its 1/4 output (5,000), a landed shard of 2 x 250."""
+    w = _walk(2, BF16.with_reduce_dtype("fp32"))
+    # after a landing at most two in flight, the rest landed; each issue adds one buffer
+    assert [w.block(j, "end")[1] - (4 - j) * 1000 for j in (1, 2, 3, 4)] == [
+        0, 5000, 2 * 5000, 2 * 5000 + 500]
+    assert [w.block(j, "issued")[1] - w.block(j, "end")[1] for j in (1, 2, 3, 4)] == [
+        5000] * 4
+    assert w.block(3, "issued")[1] == 1000 + 3 * 5000
+    # unseen by the profiler: the unit's full gradients before they are packed, and the
+    # head's and final norm's local gradients waiting for the root unit's reduction
+    real, seen = w.block(2, "end")
+    assert real - seen == 2 * 1000 + 2 * (300 + 10)
+
+
+def test_stage_0_in_the_gradients_dtype_has_no_bound():
+    """DDP reducing bf16 gradients in bf16: every buffer stays in flight, each holding
+    what the gradients it replaced held."""
+    w = _walk(0)
+    assert not w.bounded and _walk(0, BF16.with_reduce_dtype("fp32")).bounded
+    assert [w.block(j, "issued")[0] for j in (1, 2, 3, 4)] == [
+        (4 - j) * 1000 + j * 2000 + 2 * 310 for j in (1, 2, 3, 4)]
+
+
+def test_stage_1_keeps_its_full_gradients_and_slots():
+    """At stage 1 the full gradients stay (seen) and each landed reduction leaves a
+    slot of 1/N in the gradient dtype until the step."""
+    w = _walk(1, BF16.with_reduce_dtype("fp32"))
+    real, seen = w.block(4, "issued")  # 3 in flight, 1 landed
+    assert real == seen == 4 * 2000 + 3 * 5000 + 500 + 2 * 310
+    assert w.root_unit("end") == (4 * 2000 + 2 * 5000 + 2 * 500 + 500 * 2,) * 2

@@ -20,9 +20,10 @@ head) ends last, its embedding being the first thing the forward used. Block uni
   Stage 0 in the gradients' own dtype has no bound: its buffers hold what the
   gradients they replace held (``policy.bounds_reductions``).
 
-Through the block units the head's weight gradient (V·h) is held: made at the head's
-backward, it waits for the embedding's before the root unit is reduced (tied to the
-embedding, in autograd's input buffer of the shared weight); at stage 3 the root unit
+Through the block units the head's weight gradient (V·h) and the final norm's are held:
+made at the head's backward, they wait for the embedding's before the root unit is
+reduced (a head tied to the embedding in autograd's input buffer of the shared
+weight); at stage 3 the root unit
 stays gathered, and hpZ keeps the secondary shards of every unit not yet done. The
 root unit then ends (every gradient made) and is issued.
 
@@ -83,6 +84,8 @@ class BackwardPass:
     """Parameters of the output layer's weight (0 for a bare count)."""
     tied: bool
     """The head shares the embedding's weight: its gradient waits in autograd."""
+    final_norm: int
+    """Parameters of the final norm, whose gradients the head's backward makes too."""
     saved: int
     """Saved bytes of one block unit at the end of the forward."""
     recompute: int = 0
@@ -134,13 +137,18 @@ class BackwardPass:
         return 0 if self.accumulating and self.stage <= 1 else params * self.recipe.grad_bytes
 
     def _head_grads(self) -> tuple[int, int]:
-        """(allocated, seen) of the head's weight gradient through the block units."""
-        real = self.head * self.recipe.grad_bytes
-        if self.tied:
-            return real, 0
-        if self.stage <= 1:  # a stored .grad: counted, and with accumulation added into
-            return (0, 0) if self.accumulating else (real, real)
-        return real, 0
+        """(allocated, seen) of the head's and the final norm's gradients through the
+        block units: stored ``.grad`` at stages 0-1 (with accumulation added into),
+        unseen local gradients at stages 2-3, the tied head's in autograd's buffer."""
+        gb = self.recipe.grad_bytes
+        real = seen = 0
+        for params, stored in ((self.head, not self.tied), (self.final_norm, True)):
+            if stored and self.stage <= 1:
+                if not self.accumulating:
+                    real, seen = real + params * gb, seen + params * gb
+            else:
+                real += params * gb
+        return real, seen
 
     def _arriving(self, j: int) -> int:
         """Stage 3: gathers in flight during block unit j's backward."""

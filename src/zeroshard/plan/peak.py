@@ -246,10 +246,11 @@ def _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, 
         model.params, tp)
     root = _ceil_div(arch.root_params, tp) if arch else 0
     head = _ceil_div(arch.vocab * arch.hidden, tp) if arch else 0
+    norm = arch.hidden * (2 if arch.norm_bias else 1) if arch else 0
     block_saved = _ceil_div(saved.blocks * per_unit, layers) if saved else 0
     secondary_root = kept[0] if kept and arch else 0
     secondary_unit = max(kept[1:] if arch else kept, default=0)
     return BackwardPass(stage, dp, recipe, units, unit, root, head, bool(arch and arch.tied),
-                        block_saved, saved.recompute if saved else 0,
+                        norm, block_saved, saved.recompute if saved else 0,
                         saved.kept if saved else 0, prefetch if stage == 3 else 0,
                         accumulating, params_offloaded, secondary_root, secondary_unit)
