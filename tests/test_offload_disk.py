@@ -105,6 +105,14 @@ def _grid(root, full):
         _train(net, opt, sched, 1, start=20)
         out[("resumed", name)] = net.full_state_dict()
         del net, opt, sched
+    # across N: a shard group of one holds every row (the checkpoint's 2 files in 1)
+    net = zs.shard(cases.build("gpt"), stage=3, mixed_precision="bf16", offload="optimizer",
+                   offload_dir=root, sub_group_size=SUB, shard_group=1)
+    opt, sched = _optimizer(net)
+    zs.load(net, opt, os.path.join(root, "ckpt-disk"))
+    out["K=1"] = (net.full_state_dict(), {k: {n: t.clone() for n, t in v.items()}
+                                          for k, v in opt.state_dict()["state"].items()})
+    del net, opt, sched
     net = _net(3, "bf16", root)  # HostAdamW drives the streamed step alike
     opt, sched = _optimizer(net, "host")
     _train(net, opt, sched, 20)
@@ -171,6 +179,17 @@ def test_checkpoints_resume_across_offload_modes_and_stages(ranks):
                 k: {n: t.shape for n, t in v.items()} for k, v in r[("state", name)].items()}
             assert cases.bit_equal(r[("resumed", name)], r[("step 21", "plain")])
         assert cases.bit_equal(r[("step 21", "disk")], r[("step 21", "plain")])
+
+
+def test_a_checkpoint_loads_at_another_shard_count(ranks):
+    """Saved by 2 ranks, loaded where one rank holds every row (``shard_group=1``)."""
+    for r in ranks:
+        weights, state = r["K=1"]
+        assert cases.bit_equal(weights, r[("bf16", 3, True)])
+        halves = [x[("state", "disk")] for x in ranks]
+        for k in state:
+            for n in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[k][n], torch.cat([h[k][n] for h in halves]))
 
 
 def test_host_adamw_drives_the_streamed_step(ranks):
