@@ -39,8 +39,8 @@ def _train(net, opt, sched, steps, start=0):
         opt.zero_grad()
 
 
-def _net(stage, precision, root):
-    disk = dict(offload="optimizer", offload_dir=root, sub_group_size=SUB) if root else {}
+def _net(stage, precision, root, offload="optimizer"):
+    disk = dict(offload=offload, offload_dir=root, sub_group_size=SUB) if root else {}
     return zs.shard(cases.build("gpt"), stage=stage, mixed_precision=precision, **disk)
 
 
@@ -93,6 +93,11 @@ def _grid(root, full):
                     _train(net, opt, sched, 1, start=20)
                     out[("step 21", name)] = net.full_state_dict()
                 del net, opt, sched
+    net = _net(3, "bf16", root, offload="params")  # weight shards on the host too
+    opt, sched = _optimizer(net)
+    _train(net, opt, sched, 20)
+    out["params"] = net.full_state_dict()
+    del net, opt, sched
     # checkpoints across offload modes and stages: each resumes to the same step 21
     for name, stage, disk in (("plain", 1, root), ("disk", 2, None)):
         net = _net(stage, "bf16", disk)
@@ -159,6 +164,11 @@ def ranks(tmp_path_factory):
 def test_disk_offload_is_exact(ranks, precision, stage):
     for r in ranks:
         assert cases.bit_equal(r[(precision, stage, True)], r[(precision, stage, False)])
+
+
+def test_with_the_weight_shards_on_the_host(ranks):
+    for r in ranks:
+        assert cases.bit_equal(r["params"], r[("bf16", 3, False)])
 
 
 def test_state_dict_reads_the_files(ranks):
