@@ -90,7 +90,7 @@ def main() -> None:
         with torch.device("meta"):
             LlamaForCausalLM(config)  # fail fast on a bad size, before anything is written
         model = LlamaForCausalLM(config)
-        model.save_pretrained(folder, max_shard_size="200MB")
+        model.save_pretrained(folder, max_shard_size="50MB")
         del model
         whole = spawn(_rank, a.nproc, folder, False, timeout=900)[0]
         meta = spawn(_rank, a.nproc, folder, True, timeout=900)[0]

@@ -50,8 +50,11 @@ def _models(root):
     }
     for name, config in configs.items():
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        # GPT-2's weights in several files named by an index, the Llama's in one
+        AutoModelForCausalLM.from_config(config).save_pretrained(
+            root / name, max_shard_size="60KB" if name == "gpt2" else "5GB")
         fast.save_pretrained(root / name)
+    assert (root / "gpt2" / "model.safetensors.index.json").is_file()
 
 
 def _data(root):
@@ -186,6 +189,19 @@ def test_tensorboard_scalars(runs):
     assert val == pytest.approx({r["step"]: r["val_loss"] for r in log if "val_loss" in r}
                                 | {0: val[0]}, rel=1e-6)
     assert acc.Scalars("memory/params")[-1].value > 0
+
+
+def test_config_file_keys_follow_the_flags(runs, tmp_path):
+    from zeroshard.train.config import resolve
+
+    root = runs["root"]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"hf_model": str(root / "gpt2"), "data": str(root / "docs.jsonl"),
+                                "data_field": "body", "val_fraction": 0.1, "seq_len": 48,
+                                "tensorboard": str(tmp_path / "tb"), "zero": {"stage": 3}}))
+    cfg = resolve({"seq_len": 16, "data_field": None}, str(path))
+    assert (cfg.hf_model, cfg.data_field, cfg.val_fraction, cfg.seq_len, cfg.zero.stage) == (
+        str(root / "gpt2"), "body", 0.1, 16, 3)
 
 
 def _error(capsys, argv) -> str:
