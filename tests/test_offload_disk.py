@@ -133,6 +133,28 @@ def _grid(root, full):
             out["refused"].append(str(exc))
         net.zero_grad()
     del net, opt, sched
+    # a disk that fills during a step: every write of the files meets ENOSPC
+    net = _net(3, "bf16", root)
+    opt, sched = _optimizer(net)
+    _train(net, opt, sched, 1)
+    zs.save(net, opt, os.path.join(root, "ckpt-before"))
+    out["before"] = net.full_state_dict()
+    full_fds = []
+    for u in net.units:
+        if u.disk is not None:
+            full_fds.append(os.open("/dev/full", os.O_RDWR))  # reads zeros, writes ENOSPC
+            u.disk.fd = full_fds[-1]
+    try:
+        _train(net, opt, sched, 1, start=1)
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        out["filled"] = f"{type(exc).__name__}: {exc}"
+    for fd in full_fds:
+        os.close(fd)
+    del net, opt, sched
+    plain = _net(3, "bf16", None)
+    zs.load(plain, _optimizer(plain)[0], os.path.join(root, "ckpt-before"))
+    out["after"] = plain.full_state_dict()
+    del plain
     out["growth"] = {"disk": _step_growth(root, 32768), "host": _step_growth(None, 0)}
     if full is not None:
         try:
@@ -255,6 +277,16 @@ def test_a_full_disk_is_one_line(ranks):
     assert "is full: writing" in first and "(No space left on device)" in first
     assert "\n" not in first
     assert ranks[1]["full"] == first  # every rank stops, with the same line
+
+
+def test_a_disk_full_in_a_step_stops_the_run(ranks):
+    """Writes meeting ENOSPC in the step (the files' descriptors pointed at /dev/full)
+    stop it with one line on every rank; the checkpoint saved before loads unchanged."""
+    for r in ranks:
+        assert r["filled"].startswith("OffloadDiskError: offload_dir '")
+        assert ("is full: writing optimizer state to" in r["filled"]
+                and "(No space left on device)" in r["filled"] and "\n" not in r["filled"])
+        assert cases.bit_equal(r["after"], r["before"])
 
 
 @pytest.mark.parametrize("options,message", [

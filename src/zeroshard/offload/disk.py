@@ -97,7 +97,8 @@ class UnitFile:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise io_error(exc, self.path, "creating") from None
-        weakref.finalize(self, _remove, self.fd, self.path)
+        self.remove = weakref.finalize(self, _remove, self.fd, self.path)
+        """Close and delete the file now (it is, at the latest, when this object goes)."""
         self.write(0, master.detach().cpu().float().contiguous(), "writing the master to")
         zeros = torch.zeros(min(self.numel, _CHUNK // _ITEM), dtype=torch.float32)
         for plane in (1, 2):

@@ -190,6 +190,7 @@ class DiskStep:
             self._pool = ThreadPoolExecutor(2, thread_name_prefix="zeroshard-disk")
         nbuf = len(self.buffers)
         reads, writes = {0: self._pool.submit(self._io, groups[0], self.buffers[0], False)}, {}
+        failure = None
         try:
             for k, group in enumerate(groups):
                 reads.pop(k).result()
@@ -200,15 +201,18 @@ class DiskStep:
                                                      self.buffers[(k + 1) % nbuf], False)
                 self._step_group(group, self.buffers[k % nbuf], active)
                 writes[k] = self._pool.submit(self._io, group, self.buffers[k % nbuf], True)
-        finally:
-            failure = None
+        except OffloadDiskError as exc:
+            failure = exc
+        finally:  # no thread may still use a buffer when this returns or raises
             for f in [*reads.values(), *writes.values()]:
                 try:
                     f.result()
                 except OffloadDiskError as exc:
                     failure = failure or exc
-            if failure is not None:
-                raise failure
+        if failure is not None:  # the files hold a half-stepped state: they go now, and
+            for u in self.units:  # give their space back; the last checkpoint is the truth
+                u.disk.remove()
+            raise failure
 
     @staticmethod
     def _io(group, buf: torch.Tensor, write: bool) -> None:
