@@ -128,44 +128,36 @@ def test_offload_changes_where_not_how_much_on_the_device():
         assert host["buffers"] == 4 * P // N
 
 
-def _grid(root):
+def _placed(precision, stage, wheres, **offload):
+    """What ``memory(by_placement=True)`` says in a step pre-hook at the second step."""
     import torch
 
     import zeroshard as zs
 
     from . import engine_cases as cases
 
-    out = {}
-    for precision, stage, offload in ENGINE:
-        net = zs.shard(cases.build("mlp"), stage=stage, mixed_precision=precision,
-                       offload=offload, units="blocks")
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        for step in range(2):
-            net(*cases.batch("mlp", step)).backward()
-            seen = []
-            hook = opt.register_step_pre_hook(
-                lambda o, a, kw, seen=seen, net=net: seen.append(net.memory(o, True)))
-            opt.step()
-            hook.remove()
-            opt.zero_grad()
-        out[(precision, stage, offload)] = tuple(
-            {c: b for c, b in seen[0][where].items() if b} for where in ("device", "host"))
+    net = zs.shard(cases.build("mlp"), stage=stage, mixed_precision=precision, units="blocks",
+                   **offload)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused="offload_dir" in offload)
+    for step in range(2):
+        net(*cases.batch("mlp", step)).backward()
+        seen = []
+        hook = opt.register_step_pre_hook(
+            lambda o, a, kw, seen=seen, net=net: seen.append(net.memory(o, True)))
+        opt.step()
+        hook.remove()
+        opt.zero_grad()
+    return tuple({c: b for c, b in seen[0][where].items() if b} for where in wheres)
+
+
+def _grid(root):
+    out = {(precision, stage, offload): _placed(precision, stage, ("device", "host"),
+                                                offload=offload)
+           for precision, stage, offload in ENGINE}
     for precision, stage in DISK:
-        net = zs.shard(cases.build("mlp"), stage=stage, mixed_precision=precision,
-                       offload="optimizer", offload_dir=root, sub_group_size=SUB,
-                       units="blocks")
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
-        for step in range(2):
-            net(*cases.batch("mlp", step)).backward()
-            seen = []
-            hook = opt.register_step_pre_hook(
-                lambda o, a, kw, seen=seen, net=net: seen.append(net.memory(o, True)))
-            opt.step()
-            hook.remove()
-            opt.zero_grad()
-        out[(precision, stage)] = tuple({c: b for c, b in seen[0][where].items() if b}
-                                        for where in ("device", "host", "disk"))
-        del net, opt
+        out[(precision, stage)] = _placed(precision, stage, ("device", "host", "disk"),
+                                          offload="optimizer", offload_dir=root,
+                                          sub_group_size=SUB)
     return out
 
 
