@@ -73,8 +73,10 @@ class Reducer:
 
     def _flush(self) -> None:
         """Issue the pending bucket. Where the policy bounds them, at most two
-        reductions stay in flight: the oldest is landed (its buffer freed) before a
-        third starts, so the buffers never add up to another copy of the gradients.
+        reductions stay in flight once it is issued: the third is issued first, so it
+        overlaps the oldest's wait, and then the oldest is landed (its buffer freed). So
+        at most three buffers exist at once, never another copy of the gradients
+        (``zeroshard.plan.backward`` plans exactly these three).
         Under hybrid sharding its all-reduce across replica groups, on the reduced slot
         only, then runs on while backward goes on (``Unit.advance_reduce``)."""
         if self._bucket:
