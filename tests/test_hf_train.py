@@ -228,6 +228,10 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys, monkeypatch):
                                                         .read_text())
     assert "no model.safetensors and no model.safetensors.index.json" in _error(
         capsys, [*base, "--hf-model", str(tmp_path / "noweights")])
+    (tmp_path / "noweights" / "model.safetensors").write_bytes(
+        (root / "llama" / "model.safetensors").read_bytes())
+    assert "has no tokenizer" in _error(capsys, [*base, "--hf-model", str(tmp_path / "noweights"),
+                                                 "--sample-chars", "8"])  # sampled by it
     model = ["--hf-model", str(root / "llama")]
     assert "seq_len=65 is above LlamaForCausalLM's longest sequence, 64" in _error(
         capsys, [*base, *model, "--seq-len", "65", "--data", str(root / "text")])

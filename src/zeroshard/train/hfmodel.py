@@ -120,13 +120,30 @@ class HFCausalLM:
 
         return lm_loss(model, x, y)
 
-    def sample(self, model, device) -> str:
-        """About ``sample_chars`` characters: a token is some 4 characters of English."""
+    def tokenizer(self):
+        """The folder's tokenizer, for the sample (checked before launch when one is
+        wanted: a run should not train for hours and then fail to print it)."""
         from transformers import AutoTokenizer
 
+        folder = Path(self.cfg.hf_model)
+        if not any(folder.glob("tokenizer*")) and not any(folder.glob("vocab.*")):
+            raise ValueError(f"hf_model={self.cfg.hf_model!r} has no tokenizer (no "
+                             "tokenizer.json, tokenizer_config.json or vocab file); save one "
+                             "beside the model (tokenizer.save_pretrained), or give "
+                             "--sample-chars 0")
+        try:
+            return AutoTokenizer.from_pretrained(self.cfg.hf_model, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - transformers raises many types; one line
+            text = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+            raise ValueError(f"hf_model={self.cfg.hf_model!r}: its tokenizer cannot be "
+                             f"loaded ({text}); save one beside the model "
+                             "(tokenizer.save_pretrained), or give --sample-chars 0") from None
+
+    def sample(self, model, device) -> str:
+        """About ``sample_chars`` characters: a token is some 4 characters of English."""
         from ..models.hf import sample
 
-        tokenizer = AutoTokenizer.from_pretrained(self.cfg.hf_model, local_files_only=True)
+        tokenizer = self.tokenizer()
         prompt = tokenizer.encode("The ")
         g = torch.Generator().manual_seed(self.cfg.seed)
         new = sample(model, prompt, max(1, self.cfg.sample_chars // 4), self.seq_len, g, device)

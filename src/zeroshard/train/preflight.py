@@ -100,6 +100,8 @@ def check(cfg: TrainConfig, source=None):
 
     source = source or model_source(cfg)
     shapes = source.shapes()
+    if cfg.hf_model and cfg.sample_chars:
+        source.tokenizer()
     if cfg.resume:
         resume(cfg, shapes, source)
     if cfg.init_from:
