@@ -118,10 +118,6 @@ class DiskStep:
         """Host bytes of the sub-group buffers that exist."""
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
-    def planned_buffer_bytes(self) -> int:
-        """What :meth:`buffer_bytes` is once the first step has run."""
-        return min(3, len(self.groups)) * 3 * self.group_numel * 4
-
     # -- state -----------------------------------------------------------------------
     def _adopt_state(self, optimizer) -> None:
         """Make the optimizer's state for every disk shard point into the files: state
@@ -143,6 +139,11 @@ class DiskStep:
                     held = state.get(key)
                     if held is not None and held.data_ptr() == view.data_ptr():
                         continue
+                    if held is not None and tuple(held.shape) != tuple(shard.shape):
+                        raise ValueError(
+                            f"optimizer state {key!r} of a {tuple(shard.shape)} shard has "
+                            f"shape {tuple(held.shape)}; accepted: AdamW's state of this "
+                            "model's shards (state_dict() or zs.load)")
                     if held is not None:
                         u.disk.write(start, held.detach().float().cpu().contiguous()
                                      .reshape(-1), "writing optimizer state to", plane)
