@@ -139,7 +139,8 @@ class ZeroConfig:
     host when backward ends, the optimizer steps host tensors (``zeroshard.offload.
     HostAdamW`` steps them fast), and the updated weights return cast to the compute
     dtype on the host first; "params" (stage 3): the weight shards too, copied to the
-    device as part of each unit's gather (and prefetched with it)."""
+    device as part of each unit's gather (and prefetched with it). With ``offload_dir``
+    the master and the optimizer state go on to disk."""
     offload_dir: str | None = None
     """Disk offload (ZeRO-Infinity; DeepSpeed's ``offload_optimizer`` with device "nvme"
     and its ``nvme_path``): with ``offload`` set, the fp32 master and Adam's two moments

@@ -112,8 +112,9 @@ class UnitView:
 
     def host_bytes(self, optimizer=None) -> dict[str, int]:
         """The part of :meth:`memory` that lives on the host (offload): the master, its
-        padding and the optimizer state, the step's fp32 gradients, and with
-        ``offload="params"`` the weight shard and its padding."""
+        padding and the optimizer state (in :meth:`disk_bytes` instead with
+        ``offload_dir``), the step's fp32 gradients, and with ``offload="params"`` the
+        weight shard and its padding."""
         out = dict.fromkeys(CATEGORIES, 0)
         pol, r = self.policy, self.rank
         if pol.offloads_optimizer and self.master is not None:
