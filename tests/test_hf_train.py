@@ -3,6 +3,7 @@ small GPT-2, saved in the Hugging Face layout with a BPE tokenizer trained here,
 at stage 3 on 2 ranks, the Llama resumed at N = 1, both exported and loaded with
 ``from_pretrained``; TensorBoard scalars; bad input as one line each."""
 
+import contextlib
 import json
 import sys
 
@@ -72,23 +73,68 @@ def _log(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _trained_logits(runs: dict) -> dict:
+@contextlib.contextmanager
+def _one_thread():
+    """Forwards on one thread, as on the ranks (spawn's threads=1): the same kernels sum
+    in the same order, so logits compare bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _families(root) -> dict:
+    """Mistral, Qwen2 and GPT-NeoX (whose head transformers saves as ``embed_out``), and a
+    GPT-2 in the hub's old layout (no ``transformer.`` prefix), saved untrained; their
+    logits on PROBE as transformers computes them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, MistralConfig, Qwen2Config
+
+    dims = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64)
+    configs = {"mistral": MistralConfig(num_key_value_heads=2, **dims),
+               "qwen2": Qwen2Config(num_key_value_heads=2, **dims),
+               "gpt_neox": GPTNeoXConfig(**dims)}
+    ref = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        model.save_pretrained(root / name)
+        with torch.no_grad(), _one_thread():
+            ref[name] = model(input_ids=PROBE, use_cache=False).logits
+    (root / "gpt2-old").mkdir()
+    (root / "gpt2-old" / "config.json").write_text((root / "gpt2" / "config.json").read_text())
+    old = {}
+    for f in (root / "gpt2").glob("*.safetensors"):
+        old.update({k.removeprefix("transformer."): v for k, v in load_file(f).items()})
+    save_file(old, root / "gpt2-old" / "model.safetensors", metadata={"format": "pt"})
+    with torch.no_grad(), _one_thread():
+        ref["gpt2-old"] = AutoModelForCausalLM.from_pretrained(root / "gpt2").eval()(
+            input_ids=PROBE, use_cache=False).logits
+    return ref
+
+
+def _sharded_logits(runs: dict, folders: dict) -> tuple[dict, dict]:
     """Each run's last checkpoint loaded into the trainer's sharded model (stage 3, this
-    N), and its logits on PROBE."""
+    N), and each of ``folders`` read by it, each rank its rows; their logits on PROBE."""
     from zeroshard.checkpoint import load
     from zeroshard.runtime.config import ZeroConfig
     from zeroshard.train.config import TrainConfig
     from zeroshard.train.hfmodel import HFCausalLM
 
-    out = {}
-    for name, (model_dir, ckpt) in runs.items():
-        cfg = TrainConfig(hf_model=model_dir, data="unused", zero=ZeroConfig(stage=3))
-        net = HFCausalLM(cfg).build(load_weights=False)
-        load(net, None, ckpt)
-        net.eval()  # GPT-2's dropout off, as in from_pretrained's model
-        with torch.no_grad():
-            out[name] = net(input_ids=PROBE, use_cache=False).logits
-    return out
+    trained, read = {}, {}
+    for out, items in ((trained, runs), (read, folders)):
+        for name, (model_dir, ckpt) in items.items():
+            cfg = TrainConfig(hf_model=model_dir, data="unused", zero=ZeroConfig(stage=3))
+            net = HFCausalLM(cfg).build(load_weights=ckpt is None)
+            if ckpt is not None:
+                load(net, None, ckpt)
+            net.eval()  # GPT-2's dropout off, as in from_pretrained's model
+            with torch.no_grad():
+                out[name] = net(input_ids=PROBE, use_cache=False).logits
+    return trained, read
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +164,10 @@ def runs(tmp_path_factory):
     final = {"llama": root / "llama-b", "gpt2": root / "gpt2-a"}
     for name, ckpt in final.items():
         out["codes"][name + "-export"] = main(["export", str(ckpt), str(root / f"{name}-hf")])
-    out["logits"] = spawn(_trained_logits, 2, {n: (str(root / n), str(c))
-                                               for n, c in final.items()}, timeout=300)[0]
+    out["families"] = _families(root)
+    out["logits"], out["read"] = spawn(
+        _sharded_logits, 2, {n: (str(root / n), str(c)) for n, c in final.items()},
+        {n: (str(root / n), None) for n in out["families"]}, timeout=300)[0]
     yield out
     mp.undo()
 
@@ -164,15 +212,16 @@ def test_export_loads_with_from_pretrained_to_the_trained_logits(runs, name):
     assert len(AutoTokenizer.from_pretrained(out)) == VOCAB
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=PROBE, use_cache=False).logits
-    finally:
-        torch.set_num_threads(threads)
+    with torch.no_grad(), _one_thread():
+        logits = model(input_ids=PROBE, use_cache=False).logits
     assert torch.equal(logits, runs["logits"][name]), \
         (logits - runs["logits"][name]).abs().max()
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gpt_neox", "gpt2-old"])
+def test_other_families_and_layouts_load_exactly(runs, name):
+    """Each rank's rows read at stage 3 give transformers' own logits, bit for bit."""
+    assert torch.equal(runs["read"][name], runs["families"][name])
 
 
 def test_tensorboard_scalars(runs):

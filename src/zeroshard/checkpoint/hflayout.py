@@ -3,11 +3,14 @@ safetensors (each rank reading only the rows it keeps, one unit at a time), and 
 checkpoint of such a model exported back into a folder ``from_pretrained`` loads.
 
 Names: the model's parameters carry transformers' own names (``model.layers.0...``,
-``transformer.h.0...``), which is what ``save_pretrained`` writes. Older files name
-the base model's tensors without its prefix (GPT-2's ``h.0.attn.c_attn.weight`` for
-``transformer.h.0.attn.c_attn.weight``); those are found too, as ``from_pretrained``
-finds them. A weight tied to another (GPT-2's head, a small Llama's) is one parameter
-of the model and one tensor of the files.
+``transformer.h.0...``), which is mostly what ``save_pretrained`` writes. Where a file's
+key differs, it is renamed as transformers renames it on load (its conversion mapping:
+GPT-NeoX's ``embed_out.`` is the model's ``lm_head.``), and older files that name the
+base model's tensors without its prefix (GPT-2's ``h.0.attn.c_attn.weight`` for
+``transformer.h.0.attn.c_attn.weight``) are found as ``from_pretrained`` finds them.
+An export writes the model's own names, which ``from_pretrained`` takes as they are. A
+weight tied to another (GPT-2's head, a small Llama's) is one parameter of the model and
+one tensor of the files.
 """
 
 from __future__ import annotations
@@ -32,17 +35,38 @@ CARRIED = ("config.json", "generation_config.json", "tokenizer*", "special_token
            "preprocessor_config.json")
 
 
-def _source_names(model, wmap: dict[str, Path]) -> dict[str, str]:
-    """The model's tensor name -> the name in the files: the same, or without the base
-    model's prefix."""
-    prefix = getattr(model.module, "base_model_prefix", "") or ""
-    out = {}
-    for name, _ in [*model.module.named_parameters(), *model.module.named_buffers()]:
-        if name in wmap:
-            out[name] = name
-        elif prefix and name.startswith(prefix + ".") and name[len(prefix) + 1:] in wmap:
-            out[name] = name[len(prefix) + 1:]
-    return out
+def _renames(module) -> tuple[list, bool]:
+    """transformers' own renames of checkpoint keys for ``module`` (e.g. GPT-NeoX's
+    ``embed_out.`` -> ``lm_head.``, old files' ``gamma``/``beta``), and whether it also
+    converts tensors on load (merges, splits), which a read of rows cannot follow."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a transformers without conversion mappings renames nothing
+        return [], False
+    transforms = get_model_conversion_mapping(module)
+    renames = [t for t in transforms if type(t) is WeightRenaming]
+    return renames, len(renames) < len(transforms)
+
+
+def _source_names(model, wmap: dict[str, Path]) -> tuple[dict[str, str], bool]:
+    """The model's tensor name -> the name in the files (as transformers renames keys on
+    load, or without the base model's prefix); and whether transformers would convert
+    some tensors besides."""
+    module = model.module
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    wanted = {n for n, _ in [*module.named_parameters(), *module.named_buffers()]}
+    renames, converts = _renames(module)
+    out: dict[str, str] = {}
+    for key in wmap:
+        name = key
+        for t in renames:
+            name, _ = t.rename_source_key(name)
+        if name not in wanted and prefix and f"{prefix}.{name}" in wanted:
+            name = f"{prefix}.{name}"
+        if name in wanted:
+            out.setdefault(name, key)
+    return out, converts
 
 
 def load_hf_weights(model, path: str | Path) -> None:
@@ -55,12 +79,15 @@ def load_hf_weights(model, path: str | Path) -> None:
     problem, plan = None, []
     try:
         wmap = weight_files(path)
-        names = _source_names(model, wmap)
+        names, converts = _source_names(model, wmap)
         handles: dict[Path, TensorFile] = {}
         for e in entries(model):
             if e.name not in names:
+                why = ("transformers converts this model's checkpoint tensors on load, which "
+                       "reading rows cannot follow; save it with this transformers version "
+                       "first" if converts else "saved from another architecture or config?")
                 raise ValueError(f"{path}: no tensor {e.name!r} in the weights for the model's "
-                                 "parameter (saved from another architecture or config?)")
+                                 f"parameter ({why})")
             file = wmap[names[e.name]]
             f = handles.setdefault(file, TensorFile(str(file)))
             if f.shape(names[e.name]) != e.shape:
