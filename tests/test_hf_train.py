@@ -1,7 +1,8 @@
 """`zeroshard train --hf-model DIR --data PATH`: a small Llama (tied embeddings) and a
 small GPT-2, saved in the Hugging Face layout with a BPE tokenizer trained here, trained
 at stage 3 on 2 ranks, the Llama resumed at N = 1, both exported and loaded with
-``from_pretrained``; TensorBoard scalars; bad input as one line each."""
+``from_pretrained``; Mistral, Qwen2, GPT-NeoX and an old-layout GPT-2 read sharded;
+TensorBoard scalars; bad input as one line each."""
 
 import contextlib
 import json
