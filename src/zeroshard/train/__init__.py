@@ -1,6 +1,10 @@
 """zeroshard train — a model trained sharded over N processes: the built-in GPT on the
 built-in corpus, or a local Hugging Face causal LM (--hf-model DIR) on your text
-(--data PATH), tokenized once before the ranks start.
+(--data PATH), tokenized once before the ranks start:
+
+  zeroshard train --hf-model ./my-llama --data ./notes/ --stage 3 --nproc 2 \\
+                  --save-dir runs/ckpt --tensorboard runs/tb
+  zeroshard export runs/ckpt ./my-llama-tuned     # a folder from_pretrained loads
 
 Launches --nproc local processes through PyTorch's own launcher (torch.distributed.run,
 with its rendezvous store on the loopback interface only: ``train/launch.py``).
