@@ -6,6 +6,7 @@ TensorBoard scalars; bad input as one line each."""
 
 import contextlib
 import json
+import shutil
 import sys
 
 import pytest
@@ -292,6 +293,17 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys, monkeypatch):
                                               str(tmp_path / "empty.txt")])
     assert "body" in _error(capsys, [*base, *model, "--data", str(root / "docs.jsonl"),
                                      "--data-field", "title"])
+    # an export into the folder the run was trained from, or from a run whose folder moved
+    ckpt = str(root / "llama-b")
+    assert "is the model folder the run was trained from" in _error(
+        capsys, ["export", ckpt, str(root / "llama")])
+    moved = tmp_path / "moved"
+    shutil.copytree(root / "llama-a" / "step-000004", moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["extra"]["config"]["hf_model"] = str(tmp_path / "gone")
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    assert "no longer holds config.json" in _error(capsys, ["export", str(moved),
+                                                            str(tmp_path / "out")])
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
     assert "needs the tensorboard package" in _error(
         capsys, [*base, *model, "--data", str(root / "text"), "--tensorboard",
