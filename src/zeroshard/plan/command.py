@@ -14,13 +14,13 @@ examples:
   zeroshard plan --model llama2-70b --gpus 64 --network pcie4-roce --recommend
   zeroshard plan --model llama2-13b --gpus 64 --shard-group node --time
   zeroshard plan --model llama2-70b --gpus 8 --offload optimizer --time
+  zeroshard plan --model llama2-70b --gpus 8 --offload optimizer --offload-dir --time
   zeroshard plan --model llama2-70b --gpus 64 --hpz 8 --quantize-weights --quantize-grads
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -29,7 +29,7 @@ from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hfconfig import KINDS, from_hf_config
 from .memory import QUANT_BLOCK, STRATEGIES, Workload, ZeroPP, plan_all, shard_degree, stage_of
-from .offload import DISK_BANDWIDTH, OFFLOADS, SUB_GROUP_SIZE, disk_io_bytes, on_disk, pcie_bytes
+from .offload import OFFLOADS, SUB_GROUP_SIZE, disk_io_bytes, pcie_bytes
 from .peak import peak
 from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 
@@ -74,11 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "optimizer only, DDP nothing): device and host bytes, host memory per "
                         "node, PCIe bytes per step")
     h.add_argument("--offload-dir", action="store_true",
-                   help="with --offload: the master and optimizer state in files (the "
-                        "engine's offload_dir, DeepSpeed's nvme): device, host (the fp32 "
-                        "gradients and the step's sub-group buffers) and disk bytes per GPU, "
-                        "disk per node, disk bytes and seconds per step")
-    h.add_argument("--sub-group-size", type=int, default=SUB_GROUP_SIZE, metavar="G",
+                   help="with --offload (or --recommend, which offloads only when nothing "
+                        "fits): the master and optimizer state in files (the engine's "
+                        "offload_dir, DeepSpeed's nvme): device, host (the fp32 gradients and "
+                        "the step's sub-group buffers) and disk bytes per GPU, disk per node, "
+                        "disk bytes and seconds per step, in the peak, --time and --recommend")
+    h.add_argument("--sub-group-size", type=int, metavar="G",
                    help="with --offload-dir: elements stepped at once (the engine's "
                         f"sub_group_size, default {SUB_GROUP_SIZE:.0e})")
 
@@ -160,25 +161,32 @@ def resolve_model(args) -> ModelSpec:
     return ModelSpec.from_arch(PRESETS["llama2-7b"])
 
 
-def _on_disk(args, plans, model, recipe, tp, group) -> dict:
-    """``--offload-dir``: each offloaded plan's placement moved to disk (in place), and
-    per strategy the disk bytes and seconds of a step."""
+def check_disk(args) -> None:
+    """``--offload-dir`` needs an offload to put on disk (``--offload``, or
+    ``--recommend``'s when nothing fits); ``--sub-group-size`` needs ``--offload-dir``."""
+    if args.offload_dir and not (args.offload or args.recommend):
+        raise ValueError("--offload-dir keeps the offloaded optimizer state on disk: add "
+                         "--offload optimizer (or params), or --recommend (which offloads "
+                         "only when nothing fits)")
+    if args.sub_group_size is not None and not args.offload_dir:
+        raise ValueError(f"--sub-group-size={args.sub_group_size} sizes disk offload's "
+                         "step: add --offload-dir")
+    _positive("sub-group-size", args.sub_group_size)
+
+
+def _disk_io(args, plans, model, recipe, tp, group) -> dict:
+    """``--offload-dir``: per offloaded strategy the disk bytes a step reads and writes,
+    and their seconds at the host preset's ``disk_bandwidth``, one way at a time."""
     if not args.offload_dir:
         return {}
-    if not args.offload:
-        raise ValueError("--offload-dir keeps the offloaded optimizer state on disk: add "
-                         "--offload optimizer (or params)")
+    bw = timecmd.cluster(args).host_side.disk_bandwidth
     io = {}
-    for k, p in enumerate(plans):
-        if not p.offload:
-            continue
-        stage = stage_of(p.strategy)
-        plans[k] = dataclasses.replace(p, placement=on_disk(
-            p.placement, model.params, args.gpus, recipe, stage, tp, group,
-            args.sub_group_size))
-        moved = disk_io_bytes(model.params, args.gpus, recipe, stage, p.offload, tp, group)
-        io[p.strategy] = {**moved, "seconds": (moved["read"] + moved["write"])
-                          / DISK_BANDWIDTH, "bandwidth": DISK_BANDWIDTH}
+    for p in plans:
+        if p.offload:
+            moved = disk_io_bytes(model.params, args.gpus, recipe, stage_of(p.strategy),
+                                  p.offload, tp, group)
+            io[p.strategy] = {**moved, "seconds": (moved["read"] + moved["write"]) / bw,
+                              "bandwidth": bw}
     return io
 
 
@@ -189,8 +197,9 @@ def _disk_line(plans, io, shown, args, unit) -> str:
              f"{io[p.strategy]['read'] / unit:.2f} read and written a step, "
              f"{io[p.strategy]['seconds']:.3f} s" for p in plans
              if p.strategy in shown and p.strategy in io]
-    return (f"disk (--offload-dir, sub-groups of {args.sub_group_size} elements, "
-            f"{DISK_BANDWIDTH / 1e9:.0f} GB/s per GPU each way): " + "; ".join(parts))
+    bw = next(iter(io.values()))["bandwidth"] if io else 0
+    return (f"disk (--offload-dir, sub-groups of {timecmd.sub_group_size(args)} elements, "
+            f"{bw / 1e9:g} GB/s per GPU, reads or writes): " + "; ".join(parts))
 
 
 def _positive(name: str, value) -> None:
@@ -244,6 +253,7 @@ def run(args) -> int:
     if args.checkpoint_every is not None and args.no_checkpointing:
         raise ValueError("--checkpoint-every and --no-checkpointing contradict each other")
     timecmd.check(args)
+    check_disk(args)
     _writable("html", args.html)
     _writable("plot", args.plot)
     model = resolve_model(args)
@@ -305,12 +315,14 @@ def run(args) -> int:
                          f"{'--min-gpus' if args.min_gpus else '--sweep'}")
     if zpp is not None:
         zpp.secondary(shard_degree(args.gpus, tp, group))  # K2 must divide the shard group
+    sub = timecmd.sub_group_size(args)
     plans = plan_all(model, args.gpus, recipe, work, budget, tp, group, args.offload, zpp,
-                     args.blocks_per_unit)
-    disk_io = _on_disk(args, plans, model, recipe, tp, group)
+                     args.blocks_per_unit, args.offload_dir, sub)
+    disk_io = _disk_io(args, plans, model, recipe, tp, group)
     prefetch = 1 if args.prefetch is None else args.prefetch
     peaks = [peak(model, recipe, work, args.gpus, s, prefetch, args.blocks_per_unit, tp,
-                  shard_group=group, offload=args.offload, zeropp=zpp) for s in range(4)]
+                  shard_group=group, offload=args.offload, zeropp=zpp,
+                  offload_dir=args.offload_dir, sub_group_size=sub) for s in range(4)]
     steps = timecmd.accumulation(args, work, tp) if args.offload else 1
     moved = [pcie_bytes(model.params, args.gpus, recipe, s, p.offload, tp, group, steps)
              for s, p in enumerate(plans)]

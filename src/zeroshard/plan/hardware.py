@@ -28,6 +28,13 @@ second (decimal units), one direction, per GPU:
   DGX H100 user guide), 2·8·4800e6·8 = 614 GB/s, of which a STREAM-style kernel streams
   about 75 %: 460 GB/s for the node (a DGX A100's two EPYC 7742, 8 DDR4-3200 channels
   each: 410 GB/s, 300 GB/s streamed), shared by the node's GPUs' host steps.
+- **disk** (disk offload, ``Host.disk_bandwidth``): one NVMe drive per GPU, as a DGX
+  H100's eight U.2 cache drives (NVIDIA DGX H100 data sheet: 8 × 3.84 TB NVMe U.2). A
+  PCIe 4.0 ×4 drive's link carries 16e9·4·128/130/8 = 7.88 GB/s each way (PCI-SIG,
+  PCI Express Base Specification 4.0); data-center drives of that generation list
+  sequential reads near 7 GB/s and writes of 4-6 GB/s. The presets take 5 GB/s per GPU
+  for reads and for writes, one at a time (the drive serves the step's reading and
+  writing threads in turn): an assumption, not a measurement here.
 
 The ``cpu`` accelerator and ``loopback`` network hold what ``bench/steptime.py``
 measured on the project's 2-core machine (docs/steptime.md); a run of that script on
@@ -135,9 +142,14 @@ class Host:
     """Bytes/s the node's host memory streams (a STREAM-style figure, not the channels'
     peak); the GPUs of a node step at once, each at ``memory_bandwidth / gpus_per_node``.
     Default: a DGX H100's 614 GB/s of DDR5-4800 channels at 75 %."""
+    disk_bandwidth: float = 5e9
+    """Bytes/s one GPU's share of the node's drives reads, or writes (disk offload): the
+    same rate each way, one way at a time. Default: one PCIe 4.0 ×4 NVMe drive's
+    sequential rate (an assumption; see the module's docstring)."""
 
     def __post_init__(self) -> None:
         _positive(self.name, "memory_bandwidth", self.memory_bandwidth)
+        _positive(self.name, "disk_bandwidth", self.disk_bandwidth)
 
 
 @dataclass(frozen=True)
@@ -223,8 +235,8 @@ NETWORKS: dict[str, Network] = {
 HOSTS: dict[str, Host] = {
     h.name: h
     for h in (
-        Host("pcie5", Link("PCIe 5.0 x16 to host", 55e9, 10e-6), 460e9),  # DGX H100-like
-        Host("pcie4", Link("PCIe 4.0 x16 to host", 27.5e9, 10e-6), 300e9),  # DGX A100-like
+        Host("pcie5", Link("PCIe 5.0 x16 to host", 55e9, 10e-6), 460e9, 5e9),  # DGX H100-like
+        Host("pcie4", Link("PCIe 4.0 x16 to host", 27.5e9, 10e-6), 300e9, 5e9),  # DGX A100-like
     )
 }
 
@@ -245,12 +257,16 @@ def get_accelerator(name: str, efficiency: float | None = None) -> Accelerator:
                        a.recompute_charge)
 
 
-def get_host(name: str, memory_bandwidth: float | None = None) -> Host:
-    """A host preset by name, optionally with another memory bandwidth (bytes/s)."""
+def get_host(name: str, memory_bandwidth: float | None = None,
+             disk_bandwidth: float | None = None) -> Host:
+    """A host preset by name, optionally with another memory or disk bandwidth
+    (bytes/s)."""
     if name not in HOSTS:
         raise ValueError(f"unknown host {name!r}; expected one of {', '.join(HOSTS)}")
     h = HOSTS[name]
-    return h if memory_bandwidth is None else Host(h.name, h.pcie, memory_bandwidth)
+    return Host(h.name, h.pcie,
+                h.memory_bandwidth if memory_bandwidth is None else memory_bandwidth,
+                h.disk_bandwidth if disk_bandwidth is None else disk_bandwidth)
 
 
 def get_network(name: str) -> Network:

@@ -288,14 +288,23 @@ def plan_strategy(
     offload: str | None = None,
     zeropp: ZeroPP | None = None,
     blocks_per_unit: int = 1,
+    offload_dir: bool = False,
+    sub_group_size: int | None = None,
 ) -> StrategyPlan:
     """Per-GPU bytes of one strategy on ``gpus`` GPUs (``gpus / tp`` data-parallel ranks,
     sharded over all of them or over groups of ``shard_group``); ``offload`` as far as
     the strategy takes it (none at stage 0, the optimizer's below stage 3). ``zeropp``
     (:class:`ZeroPP`) is refused where the stage cannot take it, as the engine does:
     :func:`plan_all` gives each strategy what it takes. Its quantized slots are those of
-    :func:`unit_sizes` at ``blocks_per_unit``."""
-    from .offload import offload_at, placed_bytes  # builds on this module
+    :func:`unit_sizes` at ``blocks_per_unit``. ``offload_dir`` (with ``offload``): the
+    master and the states in files, streamed in sub-groups of ``sub_group_size``
+    elements (None: the engine's default), the placement's host bytes disk offload's."""
+    from .offload import (  # builds on this module
+        SUB_GROUP_SIZE,
+        check_offload_dir,
+        offload_at,
+        placed_bytes,
+    )
     if not isinstance(gpus, int) or gpus <= 0:
         raise ValueError(f"gpus={gpus!r} must be a positive integer")
     shard_degree(gpus, tp, shard_group)
@@ -303,10 +312,12 @@ def plan_strategy(
     work = work or Workload()
     weights, grads, optimizer = model_state_bytes(model.params, gpus, recipe, stage, tp,
                                                   shard_group)
+    check_offload_dir(offload_dir, offload)
     offload = offload_at(stage, offload)
     placed = None
     if offload:
-        placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group)
+        placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group,
+                              offload_dir, sub_group_size or SUB_GROUP_SIZE)
         weights, grads, optimizer = placed.device.weights, placed.device.grads, 0
     units = unit_sizes(model, blocks_per_unit) if zeropp is not None and zeropp.active else None
     levels = comm_bytes_by_level(model.params, gpus, recipe, stage, shard_group, tp, zeropp,
@@ -324,9 +335,11 @@ def plan_strategy(
 
 def plan_all(model, gpus, recipe, work=None, budget=None, tp=1,
              shard_group=None, offload=None, zeropp=None,
-             blocks_per_unit=1) -> list[StrategyPlan]:
+             blocks_per_unit=1, offload_dir=False,
+             sub_group_size=None) -> list[StrategyPlan]:
     """One :class:`StrategyPlan` per strategy, DDP first; ``zeropp`` as far as each
-    strategy takes it (:meth:`ZeroPP.at`)."""
+    strategy takes it (:meth:`ZeroPP.at`); ``offload_dir`` where ``offload`` is taken."""
     return [plan_strategy(model, gpus, recipe, s, work, budget, tp, shard_group, offload,
-                          None if zeropp is None else zeropp.at(s), blocks_per_unit)
+                          None if zeropp is None else zeropp.at(s), blocks_per_unit,
+                          offload_dir, sub_group_size)
             for s in range(4)]

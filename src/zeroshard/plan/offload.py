@@ -39,8 +39,22 @@ master and the states move from the host to files, ``(m + S)·n`` per GPU on dis
 host keeps the fp32 gradient copy and the step's sub-group buffers, three of
 ``(m + S)·G`` bytes for sub-groups of G = ``sub_group_size`` elements (fewer when the
 rank's n elements make fewer sub-groups, and ``min(G, n)`` each). Every step reads and
-writes the whole partition: ``(m + S)·n`` bytes each way per GPU, at
-``DISK_BANDWIDTH`` unless told otherwise.
+writes the whole partition: ``(m + S)·n`` bytes each way per GPU, at the host preset's
+``disk_bandwidth`` (``plan/hardware.py``). The device's bytes are host offload's.
+
+**The streamed step's seconds** (:func:`streamed_step`; ``offload/stream.py``): sub-group
+k is stepped while one of two I/O threads reads k + 1 and the other writes k - 1 back,
+and the drive serves them one at a time. With sub-groups of g_1 … g_K elements (G each,
+the last the rest), a host step of h seconds an element and d = (m + S)/disk_bandwidth
+seconds an element each way::
+
+    T = d·g_1 + Σ_k max(h·g_k, d·(g_{k+1} + g_{k-1})) + d·g_K
+
+(terms past either end are 0): the first read before anything steps, each sub-group as
+long as the slower of its step and the I/O beside it, the last write after the last
+step. Disk-bound (d·2G > h·G, as on every preset: 24 bytes of I/O an element at 5 GB/s
+against 30 bytes of host memory at 57.5 GB/s) T is about ``2·d·n`` plus the ends' one
+read and one write, h·n when the host step is the slower.
 """
 
 from __future__ import annotations
@@ -57,9 +71,6 @@ OFFLOADS = ("optimizer", "params")
 HOST_MASTER_BYTES = DTYPE_BYTES["fp32"]
 #: The engine's default ``ZeroConfig.sub_group_size``.
 SUB_GROUP_SIZE = 100_000_000
-#: Bytes/s one GPU's share of the node's disks reads or writes (one direction at a
-#: time): the order of one PCIe 4.0 x4 NVMe drive's sequential rate per GPU.
-DISK_BANDWIDTH = 5e9
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -79,6 +90,13 @@ def check_offload(offload: str | None, stage: int | None = None) -> None:
     if offload == "params" and stage is not None and stage < 3:
         raise ValueError("offload='params' keeps the weight shards on the host, which only "
                          "stage 3 has")
+
+
+def check_offload_dir(offload_dir: bool, offload: str | None) -> None:
+    """A ValueError when ``offload_dir`` is asked without an ``offload`` to put there."""
+    if offload_dir and offload is None:
+        raise ValueError("offload_dir keeps the offloaded optimizer state on disk: set "
+                         "offload='optimizer' (or 'params')")
 
 
 def offload_at(stage: int, offload: str | None) -> str | None:
@@ -157,10 +175,15 @@ def owned(params: int, gpus: int, stage: int, tp: int = 1,
 
 def placed_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
                  offload: str | None = None, tp: int = 1,
-                 shard_group: int | None = None) -> Placement:
+                 shard_group: int | None = None, offload_dir: bool = False,
+                 sub_group_size: int = SUB_GROUP_SIZE) -> Placement:
     """Bytes per GPU per category and placement at the optimizer step, as the engine's
-    ``memory(by_placement=True)`` reports them in a step pre-hook (every slot unpadded)."""
+    ``memory(by_placement=True)`` reports them in a step pre-hook (every slot unpadded);
+    ``offload_dir``: the master and the states in files (:func:`on_disk`)."""
     check_offload(offload, stage)
+    if offload_dir:
+        return on_disk(placed_bytes(params, gpus, recipe, stage, offload, tp, shard_group),
+                       params, gpus, recipe, stage, tp, shard_group, sub_group_size)
     weights, grads, optimizer = model_state_bytes(params, gpus, recipe, stage, tp, shard_group)
     n = owned(params, gpus, stage, tp, shard_group)
     m = master_bytes(recipe, offload)
@@ -221,9 +244,7 @@ def on_disk(placed: Placement, params: int, gpus: int, recipe: Recipe, stage: in
             sub_group_size: int = SUB_GROUP_SIZE) -> Placement:
     """``placed`` (an offloaded :func:`placed_bytes`) with the master and the states in
     files: the host keeps the fp32 gradient copy and gains the sub-group buffers."""
-    if placed.offload is None:
-        raise ValueError("offload_dir keeps the offloaded optimizer state on disk: set "
-                         "--offload optimizer (or params)")
+    check_offload_dir(True, placed.offload)
     n = owned(params, gpus, stage, tp, shard_group)
     per = master_bytes(recipe, placed.offload) + recipe.optimizer_bytes - recipe.master_bytes
     buffers = sub_group_buffers(n, per, sub_group_size)
@@ -238,3 +259,23 @@ def disk_io_bytes(params: int, gpus: int, recipe: Recipe, stage: int, offload: s
     n = owned(params, gpus, stage, tp, shard_group)
     per = master_bytes(recipe, offload) + recipe.optimizer_bytes - recipe.master_bytes
     return {"read": per * n, "write": per * n}
+
+
+def streamed_step(owned_elements: int, sub_group_size: int, host_seconds: float,
+                  disk_seconds: float) -> float:
+    """Seconds of disk offload's streamed step over ``owned_elements`` in sub-groups of
+    ``sub_group_size``: ``host_seconds`` the host step's and ``disk_seconds`` the drive's
+    (read, or write) per element; the module's docstring has the formula."""
+    sub_group_buffers(owned_elements, 0, sub_group_size)  # names a bad sub_group_size
+    if owned_elements <= 0:
+        return 0.0
+    full, rest = divmod(owned_elements, sub_group_size)
+    groups = full + (1 if rest else 0)
+    size = lambda k: (sub_group_size if k < full else rest) if 0 <= k < groups else 0  # noqa: E731
+    slot = lambda k: max(size(k) * host_seconds,  # noqa: E731
+                         (size(k + 1) + size(k - 1)) * disk_seconds)
+    # sub-groups 1 … K-3 are whole with whole neighbours (only the last may be short):
+    # alike, counted at once, so the planner stays fast for any sub-group size
+    ends = {k for k in (0, groups - 2, groups - 1) if k >= 0}
+    total = (size(0) + size(groups - 1)) * disk_seconds + sum(slot(k) for k in ends)
+    return total + max(0, groups - 3) * slot(1)

@@ -30,7 +30,11 @@ starts after ``zero_grad``): then the stored gradients, and at stage 1 the reduc
 With ``offload`` (``plan/offload.py``) the moments count what stays on the device: the
 master, the optimizer state, the fp32 gradient copies and the step's temporaries move to
 the host (:attr:`Peak.host`), with ``params`` the weight shards too, whose device copies
-join each gather in flight.
+join each gather in flight. With ``offload_dir`` (disk offload) the device's moments are
+host offload's; the host holds what ``placed_bytes(..., offload_dir=True)`` places there
+(the fp32 gradient copy and the step's sub-group buffers; the master and the states are
+in files) and no temporaries: the streamed step runs torch's fused AdamW kernel on each
+sub-group (``offload/stream.py``) whatever ``optimizer_impl`` says.
 
 With hpZ (``zeropp``, :class:`~zeroshard.plan.comm.ZeroPP`) every unit keeps its
 secondary shards (K/K2 of its weights' slots) from its forward until its backward is
@@ -58,7 +62,7 @@ from .memory import (
     shard_degree,
     unit_sizes,
 )
-from .offload import offload_at, placed_bytes
+from .offload import SUB_GROUP_SIZE, check_offload_dir, offload_at, placed_bytes
 from .recipes import Recipe
 
 #: How the optimizer's temporaries are counted: all owned elements, none, one parameter.
@@ -103,7 +107,8 @@ class Peak:
     """Gradients held through backward: with accumulation the stored ones (and stage
     1's reduced slot), none in the step's first backward."""
     host: int = 0
-    """Offload: host bytes per GPU at the step (state, fp32 gradients, temporaries)."""
+    """Offload: host bytes per GPU at the step (state, fp32 gradients, temporaries;
+    under disk offload the fp32 gradients and the sub-group buffers)."""
     secondary: int = 0
     """hpZ: every unit's secondary shards, held from the forward into the backward."""
 
@@ -185,19 +190,23 @@ def unit_params(model: ModelSpec, blocks_per_unit: int, tp: int = 1) -> tuple[in
 def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int,
          prefetch: int = 1, blocks_per_unit: int = 1, tp: int = 1, micro_batches: int = 1,
          optimizer_impl: str = "foreach", shard_group: int | None = None,
-         offload: str | None = None, zeropp: ZeroPP | None = None) -> Peak:
+         offload: str | None = None, zeropp: ZeroPP | None = None,
+         offload_dir: bool = False, sub_group_size: int = SUB_GROUP_SIZE) -> Peak:
     """The :class:`Peak` of one GPU of ``gpus`` at ``stage`` running ``micro_batches``
     micro-batches of ``work`` per step; with ``shard_group`` K (hybrid sharding) every
     shard, reduction buffer and owned slice is that of K ranks (the replicas'
     all-reduce runs in place on the reduced slot: nothing more is held); ``offload`` as
     far as ``stage`` takes it (``offload.offload_at``); ``zeropp`` as far as ``stage``
-    takes it (``ZeroPP.at``): hpZ's secondary shards."""
+    takes it (``ZeroPP.at``): hpZ's secondary shards; ``offload_dir`` (with ``offload``)
+    the master and the states in files, streamed in sub-groups of ``sub_group_size``."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r}; expected one of "
                          f"{', '.join(OPTIMIZER_IMPLS)}")
     dp = shard_degree(gpus, tp, shard_group)  # the ranks each category is sharded over
+    check_offload_dir(offload_dir, offload)
     offload = offload_at(stage, offload)
-    placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group)
+    placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group,
+                          bool(offload and offload_dir), sub_group_size)
     device = placed.device
     saved = activation_saved(model, recipe, work, tp)
     acts = saved.peak if saved else 0
@@ -217,7 +226,8 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     largest = max(root, block) if stage == 0 else _ceil_div(max(root, block), dp)
     temporaries = {"foreach": owned * per_state, "fused": 0,
                    "for-loop": largest * per_state}[optimizer_impl]
-    host = placed.host.total + temporaries if offload else 0
+    streamed = offload and offload_dir  # the fused kernel on each sub-group: none
+    host = placed.host.total + (0 if streamed else temporaries) if offload else 0
     if offload:  # the step's temporaries are the host's
         temporaries = 0
     during = 0

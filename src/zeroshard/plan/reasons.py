@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .advice import gpu_counts
 from .memory import STRATEGIES, Workload
-from .offload import pcie_bytes
+from .offload import SUB_GROUP_SIZE, disk_io_bytes, pcie_bytes
 from .peak import peak
 
 #: A more complex configuration must beat a simpler one by more than this fraction.
@@ -168,9 +168,10 @@ def none_reason(model, recipe, gpus: int, cluster, limit: int, headroom: float, 
 
 
 def offload_reason(b, device_need: dict, limit: int, model, recipe, gpus: int, cluster,
-                   asked: str | None) -> str:
+                   asked: str | None, sub_group_size: int = SUB_GROUP_SIZE) -> str:
     """What offload costs (or that none is needed): host memory per GPU and per node, the
-    bytes over PCIe per step and their seconds on the compute path, the host step."""
+    bytes over PCIe per step and their seconds on the compute path, the host step; on
+    disk, the bytes in files and the seconds the drive adds to the host step."""
     if b.offload is None:
         return "none: the state fits on the device"
     least = min(device_need.values(), default=0)
@@ -180,15 +181,27 @@ def offload_reason(b, device_need: dict, limit: int, model, recipe, gpus: int, c
     where = ("the master, the optimizer state and the weight shards" if b.offload == "params"
              else "the master and the optimizer state")
     placed = peak(model, recipe, Workload(), gpus, b.stage, b.prefetch,
-                  b.blocks_per_unit, b.tp, shard_group=b.shard_group, offload=b.offload)
+                  b.blocks_per_unit, b.tp, shard_group=b.shard_group, offload=b.offload,
+                  offload_dir=b.offload_dir, sub_group_size=sub_group_size)
     moved = pcie_bytes(model.params, gpus, recipe, b.stage, b.offload, b.tp, b.shard_group,
                        b.accumulation)
     t, node = b.time, cluster.gpus_per_node
-    cost = t.pcie + t.optimizer
-    return (f"{b.offload}: {why}; {where} live in host memory, {gb(placed.host)} per GPU "
-            f"at the step with AdamW's temporaries ({gb(placed.host * node)} per node of "
-            f"{node}); per step {gb(moved['down'])} of "
-            f"gradients go down and {gb(moved['up'])} of weights up over "
+    cost = t.pcie + t.optimizer + t.disk_wait
+    if b.offload_dir:
+        files = disk_io_bytes(model.params, gpus, recipe, b.stage, b.offload, b.tp,
+                              b.shard_group)["read"]
+        where = (f"{where} live in files (--offload-dir), {gb(files)} per GPU read and "
+                 f"written each step: {t.disk:.3f} s of disk I/O at "
+                 f"{cluster.host_side.disk_bandwidth / 1e9:g} GB/s, {t.disk_wait:.3f} s "
+                 f"of it beyond the host step; host memory holds the fp32 gradients and "
+                 f"the step's sub-groups of {sub_group_size:,} elements")
+        held = "at the step"
+    else:
+        where = f"{where} live in host memory"
+        held = "at the step with AdamW's temporaries"
+    return (f"{b.offload}: {why}; {where}, {gb(placed.host)} per GPU {held} "
+            f"({gb(placed.host * node)} per node of {node}); per step {gb(moved['down'])} "
+            f"of gradients go down and {gb(moved['up'])} of weights up over "
             f"{cluster.host_side.pcie.name}, {t.pcie:.3f} s on the compute path, and the "
             f"host step takes {t.optimizer:.3f} s: {cost:.3f} s of the {t.step:.3f} s step "
             f"({cost / t.step:.0%})")

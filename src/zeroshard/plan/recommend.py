@@ -18,7 +18,10 @@ ranking:
   "ZeRO-3 + offloading" for the largest models): if no configuration fits the device,
   the search runs again with the optimizer in host memory (stages 1-3), then with the
   weight shards there too (stage 3), and the ``offload`` reason says what it costs in
-  time: PCIe copies on the compute path and the host step.
+  time: PCIe copies on the compute path and the host step. With ``offload_dir``
+  (``--offload-dir``) every offloaded configuration keeps the master and the states on
+  disk: the device's bytes are the same, so the same ones fit; the reason adds the disk
+  bytes and seconds of the streamed step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from . import reasons
 from .arch import ModelSpec
 from .hardware import Cluster
+from .offload import SUB_GROUP_SIZE
 from .reasons import BLOCKS_PER_UNIT, PREFETCH, TIE
 from .recipes import Recipe
 from .search import HEADROOM, TP_DEGREES, Candidate, search, shard_groups
@@ -90,21 +94,25 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
               tp: int | None = None, prefetch: int | None = None,
               runners_up: int = 5, headroom: float = HEADROOM,
               shard_group: int | str | None = None,
-              offload: str | None = None, allow_offload: bool = True) -> Recommendation:
+              offload: str | None = None, allow_offload: bool = True,
+              offload_dir: bool = False,
+              sub_group_size: int = SUB_GROUP_SIZE) -> Recommendation:
     """The recommended configuration for ``global_batch`` sequences of ``seq_len``,
     leaving ``headroom`` (a fraction) of each GPU's memory free; ``shard_group`` fixes
     the hybrid shard group (``"node"``: a node's data-parallel ranks; None: plain and
     groups of whole nodes are weighed); ``offload`` given: only configurations with it,
     else (with no fixed group, and ``allow_offload``) with it only when nothing fits
-    without."""
+    without; ``offload_dir``: whatever is offloaded lives on disk, streamed in
+    sub-groups of ``sub_group_size`` elements."""
     for name, v in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
+    disk = dict(offload_dir=offload_dir, sub_group_size=sub_group_size)
     found, need, tps, groups = search(model, recipe, gpus, budget, cluster, global_batch,
                                       seq_len, flash_attention, tp, prefetch, headroom,
-                                      shard_group, offload)
+                                      shard_group, offload, **disk)
     device_need, offload_need = need, {}
     # offload when nothing fits on the device; a fixed shard group is told that a larger
     # group (or plain sharding) fits instead
@@ -112,7 +120,8 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
     for more in ("optimizer", "params") if fallback else ():
         found, offload_need, tps, groups = search(model, recipe, gpus, budget, cluster,
                                                   global_batch, seq_len, flash_attention,
-                                                  tp, prefetch, headroom, shard_group, more)
+                                                  tp, prefetch, headroom, shard_group, more,
+                                                  **disk)
         if found:  # stage 0 cannot offload: its need stays the device's
             need = {**device_need, **offload_need}
             break
@@ -129,5 +138,5 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
     why = reasons.reasons(best, found, need, tps, groups, cluster, limit, global_batch,
                           seq_len, headroom)
     why["offload"] = reasons.offload_reason(best, device_need, limit, model, recipe, gpus,
-                                            cluster, offload)
+                                            cluster, offload, sub_group_size)
     return Recommendation(best, why, _runners_up(found, best, runners_up), budget, headroom)

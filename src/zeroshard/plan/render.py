@@ -190,14 +190,19 @@ def time_table(times, plans, shown, args) -> None:
     across = ["across s"] if k is not None else []
     second = ["secondary s"] if any(st.secondary for st in times) else []
     pcie = ["PCIe s"] if any(st.pcie for st in times) else []
+    # disk offload: the drive's read and write seconds, and what they add to the host step
+    disk = ["disk s", "disk wait s"] if any(st.disk for st in times) else []
     for col in ("strategy", "step s", "compute s", "TP s", "optimizer s", "copies s",
-                *pcie, "comm s", *across, *second, "exposed s", "tokens/s/GPU", "fits"):
+                *pcie, *disk, "comm s", *across, *second, "exposed s", "tokens/s/GPU",
+                "fits"):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for st, p in zip(times, plans):
         if st.strategy in shown:
             t.add_row(st.strategy, f"{st.step:.3f}", f"{st.compute:.3f}", f"{st.tp_comm:.3f}",
                       f"{st.optimizer:.4f}", f"{st.copies:.4f}",
-                      *([f"{st.pcie:.3f}"] if pcie else []), f"{st.comm:.3f}",
+                      *([f"{st.pcie:.3f}"] if pcie else []),
+                      *([f"{st.disk:.3f}", f"{st.disk_wait:.3f}"] if disk else []),
+                      f"{st.comm:.3f}",
                       *([f"{st.across:.3f}"] if across else []),
                       *([f"{st.secondary:.3f}"] if second else []), f"{st.exposed:.3f}",
                       f"{st.tokens_per_gpu:,.0f}", "yes" if p.fits else "no")

@@ -18,7 +18,9 @@ them.
   a node, replicate across nodes; FSDP2's HSDP, DeepSpeed's MiCS): stages 1–3 over
   groups of K data-parallel ranks that fill 1, 2, 4, … nodes, K a proper divisor of the
   ranks (stage 0 in groups holds what DDP holds and sends more: it is not tried);
-- **offload** (``plan/offload.py``) only where asked: the stages that take it, with it.
+- **offload** (``plan/offload.py``) only where asked: the stages that take it, with it;
+  on disk (``offload_dir``) only where asked too: the same device peaks, the streamed
+  step's time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from .arch import ModelSpec
 from .hardware import Cluster
 from .memory import STRATEGIES, Workload, shard_degree
+from .offload import SUB_GROUP_SIZE
 from .peak import peak
 from .reasons import BLOCKS_PER_UNIT, PREFETCH
 from .recipes import Recipe
@@ -67,6 +70,8 @@ class Candidate:
     """Data-parallel ranks (GPUs / tp)."""
     offload: str | None = None
     """What lives in host memory (``plan/offload.py``), None: nothing."""
+    offload_dir: bool = False
+    """The offloaded master and optimizer state live in files (disk offload)."""
 
     @property
     def strategy(self) -> str:
@@ -89,6 +94,7 @@ class Candidate:
         return {"strategy": self.strategy, "stage": self.stage, "tp": self.tp,
                 "shard_group": self.shard_group, "offload": self.offload,
                 "blocks_per_unit": self.blocks_per_unit, "prefetch": self.prefetch,
+                "offload_dir": self.offload_dir,
                 "checkpointing": self.checkpointing, "micro_batch": self.micro_batch,
                 "accumulation": self.accumulation, "memory": self.memory,
                 "time": self.time.as_dict()}
@@ -121,12 +127,14 @@ def _memory(model, recipe, gpus, tp, stage, work, blocks, prefetch, micro_batche
 def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
            global_batch: int, seq_len: int, flash_attention: bool = False,
            tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM,
-           shard_group: int | str | None = None, offload: str | None = None):
+           shard_group: int | str | None = None, offload: str | None = None,
+           offload_dir: bool = False, sub_group_size: int = SUB_GROUP_SIZE):
     """(every fitting candidate, the smallest need per (stage, tp, shard group), the TP
     degrees tried, the hybrid shard groups tried per TP degree). ``shard_group`` given:
     that group only, at the TP degrees whose data-parallel ranks it divides (all the
     ranks: plain only; ``"node"``: a node's data-parallel ranks at each degree); None:
-    plain and :func:`shard_groups`. ``offload``: only the stages that take it, with it."""
+    plain and :func:`shard_groups`. ``offload``: only the stages that take it, with it
+    (``offload_dir``: on disk, in sub-groups of ``sub_group_size``)."""
     if model.hidden is None or model.layers is None:
         raise ValueError("--recommend needs the model's shape: give --hidden and --layers "
                          "(or a preset)")
@@ -157,12 +165,14 @@ def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cl
             plain = [None] if fixed is None or fixed == dp else []
             for group in plain + hybrid:
                 found += _fits(model, recipe, gpus, cluster, k, stage, group, per_rank,
-                               seq_len, flash_attention, prefetch, limit, need, offload)
+                               seq_len, flash_attention, prefetch, limit, need, offload,
+                               bool(offload and offload_dir), sub_group_size)
     return found, need, tps, groups
 
 
 def _fits(model, recipe, gpus, cluster, tp, stage, group, per_rank, seq_len, flash,
-          prefetch, limit, need, offload=None) -> list[Candidate]:
+          prefetch, limit, need, offload=None, offload_dir=False,
+          sub_group_size=SUB_GROUP_SIZE) -> list[Candidate]:
     """The candidates of one (tp, stage, shard group): per checkpointing, unit size and
     depth, the largest micro-batch whose peak fits ``limit``; ``need`` keeps the least
     any of them needs."""
@@ -181,10 +191,12 @@ def _fits(model, recipe, gpus, cluster, tp, stage, group, per_rank, seq_len, fla
                     key = (stage, tp, group)
                     need[key] = min(need.get(key, mem), mem)
                     if mem <= limit:
-                        sched = Schedule(stage, blocks, depth, acc, tp, group, offload)
+                        sched = Schedule(stage, blocks, depth, acc, tp, group, offload,
+                                         offload_dir=offload_dir,
+                                         sub_group_size=sub_group_size)
                         out.append(Candidate(
                             stage, tp, blocks, depth, ckpt, micro, acc, mem,
                             step_time(model, recipe, work, gpus, cluster, sched), group,
-                            gpus // tp, offload))
+                            gpus // tp, offload, offload_dir))
                         break
     return out

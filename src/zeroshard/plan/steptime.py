@@ -33,6 +33,12 @@ order; the compute stream waits on them only where the engine waits:
   exposed;
 - the optimizer streams its shard's ``2·(optimizer + weights) + grads`` bytes per
   owned parameter once at the memory rate;
+- disk offload (``Schedule.offload_dir``): the host step streams the master and the
+  moments through sub-groups while two threads read the next and write the last,
+  ``(m + S)`` bytes an owned element each way at the host's ``disk_bandwidth``;
+  the step takes ``offload.streamed_step``'s seconds (each sub-group the slower of its
+  host step and the I/O beside it, one read before and one write after), and
+  ``StepTime.disk_wait`` is what that adds to the host step;
 - TP's activation all-reduces sit between a layer's matrix multiplies: never hidden;
 - the engine's own copies (:class:`CopyBytes`: packing, averaging, unpacking, casts) run
   at the memory rate on the compute stream where the engine makes them (it has no copy
@@ -79,7 +85,17 @@ from .arch import ModelSpec
 from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
 from .hardware import Cluster, Link
 from .memory import STRATEGIES, Workload, ZeroPP, dp_degree, shard_degree
-from .offload import check_offload, host_step_bytes, master_bytes, offload_at
+from .offload import (
+    SUB_GROUP_SIZE,
+    check_offload,
+    check_offload_dir,
+    host_step_bytes,
+    master_bytes,
+    offload_at,
+    owned,
+    streamed_step,
+    sub_group_buffers,
+)
 from .recipes import Recipe
 from .simulate import _land, _Link, _pass, _sync
 
@@ -127,9 +143,16 @@ class Schedule:
     zeropp: ZeroPP | None = None
     """ZeRO++: hpZ's secondary group, qwZ and qgZ (refused where the stage cannot take
     them, as the engine does)."""
+    offload_dir: bool = False
+    """Disk offload (with ``offload``): the master and the states in files, streamed
+    through the host in sub-groups (the engine's ``offload_dir``)."""
+    sub_group_size: int = SUB_GROUP_SIZE
+    """Disk offload: elements stepped at once (the engine's ``sub_group_size``)."""
 
     def __post_init__(self) -> None:
         check_offload(self.offload, self.stage)
+        check_offload_dir(self.offload_dir, self.offload)
+        sub_group_buffers(0, 0, self.sub_group_size)  # names a bad sub_group_size
         if self.zeropp is not None:
             self.zeropp.check(self.stage)
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
@@ -176,12 +199,18 @@ class StepTime:
     (gradients down, weights up); ``optimizer`` is then the host step."""
     secondary: float = 0.0
     """Of ``comm``, seconds of hpZ's backward gathers inside the secondary groups."""
+    disk: float = 0.0
+    """Disk offload: seconds the drive reads and writes in a step (the master and the
+    moments, each way), mostly beside the host step."""
+    disk_wait: float = 0.0
+    """Disk offload: seconds the streamed step adds to ``optimizer`` (the first read, the
+    last write, and each sub-group whose I/O outlasts its host step)."""
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("strategy", "step", "compute", "tp_comm",
                                               "optimizer", "copies", "comm", "exposed",
                                               "tokens_per_gpu", "across", "pcie",
-                                              "secondary")}
+                                              "secondary", "disk", "disk_wait")}
 
 
 def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
@@ -259,13 +288,23 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     shift = extra * (ends[-1] - ends[-2]) if extra > 0 else 0.0
     t += shift
 
-    owned = model.params / tp / (dp if stage >= 1 else 1)
+    owned_params = model.params / tp / (dp if stage >= 1 else 1)
+    disk = disk_wait = 0.0
     if off:  # the host step, the node's host memory shared by its GPUs
-        optimizer = owned * host_step_bytes(recipe, off) / cluster.host_bandwidth()
+        per_element = host_step_bytes(recipe, off) / cluster.host_bandwidth()
+        optimizer = owned_params * per_element
+        if schedule.offload_dir:  # master and moments through the drive, each way
+            n = owned(model.params, gpus, stage, tp, schedule.shard_group)
+            state = master_bytes(recipe, off) + recipe.optimizer_bytes - recipe.master_bytes
+            per_io = state / cluster.host_side.disk_bandwidth
+            disk = 2 * n * per_io
+            disk_wait = streamed_step(n, schedule.sub_group_size, per_element,
+                                      per_io) - n * per_element
     else:
         streamed = 2 * (recipe.optimizer_bytes + recipe.weight_bytes) + recipe.grad_bytes
-        optimizer = owned * streamed / bw
-    t += optimizer + units * cost.step / bw  # gradient casts before, master casts after
+        optimizer = owned_params * streamed / bw
+    # gradient casts before, master casts after
+    t += optimizer + disk_wait + units * cost.step / bw
     post = units * gather if stage in (1, 2) else 0.0
     if stage in (1, 2):  # offloaded, each all-gather's input comes up from the host
         t = _sync(t, line, units, gather, cost.sync_input / bw + back, cost.sync_unpack / bw)
@@ -279,20 +318,28 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     comm = a * (gathers + units * (reduce + across)) + post
     pcie = units * (a * (down + 2 * upload) + back)
     if not cluster.network.overlap:
-        t = compute + tp_comm + optimizer + copies + comm + pcie
+        t = compute + tp_comm + optimizer + disk_wait + copies + comm + pcie
     return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, copies, comm,
-                    max(0.0, t - compute - tp_comm - optimizer - copies - pcie),
+                    max(0.0, t - compute - tp_comm - optimizer - disk_wait - copies - pcie),
                     work.tokens * a / tp / t, a * units * across, pcie,
-                    a * units * gather_back if k2 is not None and stage == 3 else 0.0)
+                    a * units * gather_back if k2 is not None and stage == 3 else 0.0,
+                    disk, disk_wait)
 
 
 def step_times(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
                blocks_per_unit: int = 1, prefetch: int = 1, micro_batches: int = 1,
                tp: int = 1, shard_group: int | None = None,
-               offload: str | None = None, zeropp: ZeroPP | None = None) -> list[StepTime]:
+               offload: str | None = None, zeropp: ZeroPP | None = None,
+               offload_dir: bool = False,
+               sub_group_size: int = SUB_GROUP_SIZE) -> list[StepTime]:
     """One :class:`StepTime` per strategy, DDP first; ``offload`` and ``zeropp`` as far
-    as each strategy takes them (``offload.offload_at``, ``ZeroPP.at``)."""
-    return [step_time(model, recipe, work, gpus, cluster,
-                      Schedule(s, blocks_per_unit, prefetch, micro_batches, tp, shard_group,
-                               offload_at(s, offload), zeropp and zeropp.at(s)))
-            for s in range(4)]
+    as each strategy takes them (``offload.offload_at``, ``ZeroPP.at``), ``offload_dir``
+    where ``offload`` is taken."""
+    check_offload_dir(offload_dir, offload)
+    out = []
+    for s in range(4):
+        off = offload_at(s, offload)
+        out.append(step_time(model, recipe, work, gpus, cluster, Schedule(
+            s, blocks_per_unit, prefetch, micro_batches, tp, shard_group, off,
+            zeropp and zeropp.at(s), bool(off and offload_dir), sub_group_size)))
+    return out

@@ -22,6 +22,7 @@ from .hardware import (
     get_network,
 )
 from .memory import Workload, dp_degree
+from .offload import SUB_GROUP_SIZE
 from .recommend import HEADROOM, recommend
 from .steptime import step_times
 
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--host-bandwidth", type=float, metavar="GB/S",
                    help="with --offload: the node's host memory bandwidth in GB/s, shared by "
                         "its GPUs' optimizer steps (default: the --host preset's)")
+    t.add_argument("--disk-bandwidth", type=float, metavar="GB/S",
+                   help="with --offload-dir: GB/s each GPU's drive reads, or writes, one way "
+                        "at a time (default: the --host preset's, 5: a PCIe 4.0 NVMe drive)")
     t.add_argument("--global-batch", type=int, metavar="SEQUENCES",
                    help="sequences per optimizer step over all GPUs, each of --seq-len tokens "
                         "(default --tokens); with --time it sets the accumulation steps, "
@@ -81,8 +85,13 @@ def check(args) -> None:
         raise ValueError(f"--prefetch={args.prefetch} must be 0 or more")
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom={args.headroom} must be a fraction in [0, 1)")
-    if args.host_bandwidth is not None and args.host_bandwidth <= 0:
-        raise ValueError(f"--host-bandwidth={args.host_bandwidth} must be positive")
+    for name in ("host_bandwidth", "disk_bandwidth"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be positive")
+    if args.disk_bandwidth is not None and not args.offload_dir:
+        raise ValueError(f"--disk-bandwidth={args.disk_bandwidth} prices disk offload: add "
+                         "--offload-dir")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency={args.efficiency} must be in (0, 1]")
     if args.time and args.recommend:
@@ -126,9 +135,15 @@ def shard_group(args, per_tp: bool = False) -> int | str | None:
 
 
 def cluster(args) -> Cluster:
-    bw = None if args.host_bandwidth is None else args.host_bandwidth * 1e9
+    gb = lambda v: None if v is None else v * 1e9  # noqa: E731
     return Cluster(get_accelerator(args.accelerator, args.efficiency),
-                   get_network(args.network), args.gpus_per_node, get_host(args.host, bw))
+                   get_network(args.network), args.gpus_per_node,
+                   get_host(args.host, gb(args.host_bandwidth), gb(args.disk_bandwidth)))
+
+
+def sub_group_size(args) -> int:
+    """``--sub-group-size``, or the engine's default."""
+    return SUB_GROUP_SIZE if args.sub_group_size is None else args.sub_group_size
 
 
 def accumulation(args, work: Workload, tp: int) -> int:
@@ -152,7 +167,7 @@ def run_time(args, model, recipe, work, zeropp=None) -> list:
     return step_times(model, recipe, work, args.gpus, cluster(args), args.blocks_per_unit,
                       1 if args.prefetch is None else args.prefetch,
                       accumulation(args, work, tp), tp, shard_group(args), args.offload,
-                      zeropp)
+                      zeropp, args.offload_dir, sub_group_size(args))
 
 
 def run_recommend(args, model, recipe, budget):
@@ -160,4 +175,5 @@ def run_recommend(args, model, recipe, budget):
     return recommend(model, recipe, args.gpus, budget, cluster(args),
                      args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
                      args.tp, args.prefetch, headroom=args.headroom,
-                     shard_group=shard_group(args, per_tp=True), offload=args.offload)
+                     shard_group=shard_group(args, per_tp=True), offload=args.offload,
+                     offload_dir=args.offload_dir, sub_group_size=sub_group_size(args))
