@@ -198,7 +198,7 @@ def _disk_line(plans, io, shown, args, unit) -> str:
              f"{io[p.strategy]['seconds']:.3f} s" for p in plans
              if p.strategy in shown and p.strategy in io]
     bw = next(iter(io.values()))["bandwidth"] if io else 0
-    return (f"disk (--offload-dir, sub-groups of {timecmd.sub_group_size(args)} elements, "
+    return (f"disk (--offload-dir, sub-groups of {timecmd.sub_group_size(args):,} elements, "
             f"{bw / 1e9:g} GB/s per GPU, reads or writes): " + "; ".join(parts))
 
 
