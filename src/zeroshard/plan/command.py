@@ -294,7 +294,8 @@ def run(args) -> int:
         rec = timecmd.run_recommend(args, model, recipe, budget)
         if args.json:
             json.dump({"model": model.name, "params": model.params, "gpus": args.gpus,
-                       "offload": args.offload, "gpus_per_node": args.gpus_per_node,
+                       "offload": args.offload, "offload_dir": args.offload_dir,
+                       "gpus_per_node": args.gpus_per_node,
                        "shard_group": timecmd.shard_group(args, per_tp=True),
                        "recipe": recipe.name, "budget": budget, "accelerator": args.accelerator,
                        "network": args.network, "recommend": rec.as_dict()}, sys.stdout,
@@ -347,6 +348,7 @@ def run(args) -> int:
         }
         if args.offload:
             out["offload"], out["gpus_per_node"] = args.offload, args.gpus_per_node
+            out["offload_dir"] = args.offload_dir
             rows = iter(out["strategies"])
             for p, pc in zip(plans, moved):
                 if p.strategy in shown:

@@ -114,6 +114,12 @@ def master_bytes(recipe: Recipe, offload: str | None) -> int:
     return m or (HOST_MASTER_BYTES if offload else 0)
 
 
+def offloaded_state_bytes(recipe: Recipe, offload: str | None) -> int:
+    """Bytes per owned element of the master and the optimizer states offloaded: what
+    disk offload keeps in files, reads and writes each step (12 for AdamW)."""
+    return master_bytes(recipe, offload) + recipe.optimizer_bytes - recipe.master_bytes
+
+
 @dataclass(frozen=True)
 class Bytes:
     """Bytes per GPU at one placement, by the engine's ledger categories."""
@@ -246,7 +252,7 @@ def on_disk(placed: Placement, params: int, gpus: int, recipe: Recipe, stage: in
     files: the host keeps the fp32 gradient copy and gains the sub-group buffers."""
     check_offload_dir(True, placed.offload)
     n = owned(params, gpus, stage, tp, shard_group)
-    per = master_bytes(recipe, placed.offload) + recipe.optimizer_bytes - recipe.master_bytes
+    per = offloaded_state_bytes(recipe, placed.offload)
     buffers = sub_group_buffers(n, per, sub_group_size)
     host = Bytes(placed.host.weights, placed.host.grads, 0, placed.host.buffers + buffers)
     return Placement(placed.offload, placed.device, host, Bytes(optimizer=placed.host.optimizer))
@@ -257,7 +263,7 @@ def disk_io_bytes(params: int, gpus: int, recipe: Recipe, stage: int, offload: s
     """Bytes one GPU's step reads from and writes to its files: the whole partition's
     master and states, each way."""
     n = owned(params, gpus, stage, tp, shard_group)
-    per = master_bytes(recipe, offload) + recipe.optimizer_bytes - recipe.master_bytes
+    per = offloaded_state_bytes(recipe, offload)
     return {"read": per * n, "write": per * n}
 
 
@@ -279,3 +285,14 @@ def streamed_step(owned_elements: int, sub_group_size: int, host_seconds: float,
     ends = {k for k in (0, groups - 2, groups - 1) if k >= 0}
     total = (size(0) + size(groups - 1)) * disk_seconds + sum(slot(k) for k in ends)
     return total + max(0, groups - 3) * slot(1)
+
+
+def disk_seconds(params: int, gpus: int, recipe: Recipe, stage: int, offload: str,
+                 tp: int, shard_group: int | None, sub_group_size: int,
+                 host_seconds: float, disk_bandwidth: float) -> tuple[float, float]:
+    """(the drive's read and write seconds of one GPU's step, what the streamed step
+    adds to a host step of ``host_seconds`` an owned element): the step-time model's
+    disk terms."""
+    n = owned(params, gpus, stage, tp, shard_group)
+    per = offloaded_state_bytes(recipe, offload) / disk_bandwidth
+    return 2 * n * per, streamed_step(n, sub_group_size, host_seconds, per) - n * host_seconds

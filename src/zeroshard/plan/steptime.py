@@ -89,11 +89,10 @@ from .offload import (
     SUB_GROUP_SIZE,
     check_offload,
     check_offload_dir,
+    disk_seconds,
     host_step_bytes,
     master_bytes,
     offload_at,
-    owned,
-    streamed_step,
     sub_group_buffers,
 )
 from .recipes import Recipe
@@ -294,12 +293,9 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
         per_element = host_step_bytes(recipe, off) / cluster.host_bandwidth()
         optimizer = owned_params * per_element
         if schedule.offload_dir:  # master and moments through the drive, each way
-            n = owned(model.params, gpus, stage, tp, schedule.shard_group)
-            state = master_bytes(recipe, off) + recipe.optimizer_bytes - recipe.master_bytes
-            per_io = state / cluster.host_side.disk_bandwidth
-            disk = 2 * n * per_io
-            disk_wait = streamed_step(n, schedule.sub_group_size, per_element,
-                                      per_io) - n * per_element
+            disk, disk_wait = disk_seconds(model.params, gpus, recipe, stage, off, tp,
+                                           schedule.shard_group, schedule.sub_group_size,
+                                           per_element, cluster.host_side.disk_bandwidth)
     else:
         streamed = 2 * (recipe.optimizer_bytes + recipe.weight_bytes) + recipe.grad_bytes
         optimizer = owned_params * streamed / bw
