@@ -34,6 +34,16 @@ def test_deepspeed_config_names_ignored_keys():
     assert (c.stage, c.mixed_precision) == (2, "bf16")
 
 
+def test_deepspeed_fp16_scaler_keys_point_to_the_scaler(recwarn):
+    ds = {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "loss_scale_window": 500,
+                                                       "hysteresis": 2, "auto_cast": False}}
+    assert ZeroConfig.from_dict(ds).mixed_precision == "fp16"
+    assert [str(w.message) for w in recwarn.list] == [
+        "DeepSpeed config keys ignored by zeroshard: fp16.auto_cast",
+        "DeepSpeed config keys fp16.hysteresis, fp16.loss_scale_window are the loss scaler's: "
+        "pass the config to zs.GradScaler.from_deepspeed(model, config)"]
+
+
 def test_deepspeed_translator_names_keys_and_leaves_handled_ones_to_the_caller(recwarn):
     ds = {"zero_optimization": {"reduce_bucket_size": 5e8}, "bf16": {"enabled": False},
           "train_batch_size": 8, "optimizer": {"type": "AdamW"}}

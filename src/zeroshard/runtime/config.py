@@ -22,7 +22,7 @@ _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adam
 DEEPSPEED_KEYS = {
     "zero_optimization.stage": "stage",
     "bf16.enabled": "mixed_precision",
-    "fp16.enabled": "mixed_precision",  # the loss scaler's keys are zs.GradScaler's
+    "fp16.enabled": "mixed_precision",  # the scaler's: zs.GradScaler.from_deepspeed
     "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
     "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
@@ -35,6 +35,9 @@ DEEPSPEED_KEYS = {
 #: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by
 #: ``offload.options.deepspeed_offload`` into ``offload`` and ``offload_dir``.
 _OFFLOAD_KEYS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
+#: DeepSpeed's fp16 keys that ``zs.GradScaler.from_deepspeed`` reads, not the engine.
+_SCALER_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "consecutive_hysteresis", "min_loss_scale")
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
 
 
@@ -270,8 +273,14 @@ class ZeroConfig:
             [f"{s}.{k}" for s in _DEEPSPEED_SECTIONS for k in sections[s]
              if f"{s}.{k}" not in DEEPSPEED_KEYS and f"{s}.{k}" not in handled]
             + [k for k in d if k not in _DEEPSPEED_SECTIONS and k not in handled])
+        scaler = [k for k in ignored if k.startswith("fp16.") and k[5:] in _SCALER_KEYS]
+        ignored = [k for k in ignored if k not in scaler]
         if ignored:
             warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",
+                          stacklevel=3)
+        if scaler:  # the loss scaler is an object of its own, as torch's GradScaler is
+            warnings.warn(f"DeepSpeed config keys {', '.join(scaler)} are the loss scaler's: "
+                          "pass the config to zs.GradScaler.from_deepspeed(model, config)",
                           stacklevel=3)
         kwargs = {"stage": 0, **deepspeed_offload(sections["zero_optimization"])}
         for key, name in DEEPSPEED_KEYS.items():
