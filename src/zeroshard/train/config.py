@@ -50,21 +50,6 @@ class TrainConfig:
     here (``max_skipped`` below bounds it)."""
     model: str = "small"
     """Built-in GPT preset: tiny, small or medium (unused with ``hf_model``)."""
-    hf_model: str | None = None
-    """A Hugging Face causal LM folder (config.json, safetensors weights, a tokenizer) to
-    fine-tune instead of the built-in GPT."""
-    data: str | None = None
-    """Training text: a file, a folder of files, JSON lines (``data_field``) or token
-    files, tokenized with ``hf_model``'s tokenizer; None: the built-in corpus."""
-    data_field: str = "text"
-    """The field of each JSON line that holds its text."""
-    val_fraction: float = 0.05
-    """Share of ``data`` held out for validation, in (0, 0.5]."""
-    seq_len: int | None = None
-    """Tokens per sequence; None: the built-in GPT's block size, or for ``hf_model`` the
-    smaller of the model's longest sequence and 1024."""
-    tensorboard: str | None = None
-    """Write TensorBoard scalars into this folder (rank 0)."""
     steps: int = 400
     """Optimizer steps."""
     batch: int = 16
@@ -87,7 +72,8 @@ class TrainConfig:
     eval_batches: int = 4
     """Global batches per evaluation."""
     sample_chars: int = 200
-    """Bytes of text sampled from the trained model at the end (0: none)."""
+    """Text sampled from the trained model at the end (0: none): bytes for the built-in
+    GPT; for ``hf_model`` a quarter as many tokens, about as many characters."""
     json_log: str | None = None
     """Write one JSON object per step to this file."""
     save_dir: str | None = None
@@ -105,6 +91,21 @@ class TrainConfig:
     Chrome trace per rank and the lifetime chart into this directory."""
     init_from: str | None = None
     """Initialise the weights from consolidated safetensors (a file or directory)."""
+    hf_model: str | None = None
+    """A Hugging Face causal LM folder (config.json, safetensors weights, a tokenizer) to
+    fine-tune instead of the built-in GPT."""
+    data: str | None = None
+    """Training text: a file, a folder of files, JSON lines (``data_field``) or token
+    files, tokenized with ``hf_model``'s tokenizer; None: the built-in corpus."""
+    data_field: str = "text"
+    """The field of each JSON line that holds its text."""
+    val_fraction: float = 0.05
+    """Share of ``data`` held out for validation, in (0, 0.5]."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: the built-in GPT's block size, or for ``hf_model`` the
+    smaller of the model's longest sequence and 1024."""
+    tensorboard: str | None = None
+    """Write TensorBoard scalars into this folder (rank 0)."""
     max_skipped: int = 10
     """Consecutive steps skipped for non-finite gradients (``zero.nonfinite="skip"``)
     after which the run stops with an error: a few are a bad batch, ten in a row a run
