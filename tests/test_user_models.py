@@ -25,6 +25,9 @@ def _parity():
         for stage in range(4):
             out[(name, stage)] = um.attempt(
                 lambda n=name, s=stage, r=ref: um.max_rel_diff(um.train(n, s), r))
+    # weights memory-mapped by from_pretrained: stage 3 frees and refills their storage
+    out[("qwen2 from_pretrained", 3)] = um.attempt(lambda: um.max_rel_diff(
+        um.train("qwen2 from_pretrained", 3), um.train("qwen2", "ddp")))
     ref = um.train("moe", "ddp")
     for stage in range(4):
         out[("moe", stage)] = um.attempt(
@@ -222,6 +225,10 @@ def ranks():
 @pytest.mark.parametrize("stage", range(4))
 def test_third_party_models_match_ddp(ranks, name, stage):
     assert ranks[0]["parity"][(name, stage)] < TOL
+
+
+def test_weights_memory_mapped_by_from_pretrained_shard_at_stage_3(ranks):
+    assert ranks[0]["parity"][("qwen2 from_pretrained", 3)] < TOL
 
 
 @pytest.mark.parametrize("stage", range(4))

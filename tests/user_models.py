@@ -109,8 +109,25 @@ def _hf(name: str) -> nn.Module:
     raise AssertionError(name)
 
 
+def _saved_and_loaded(name: str) -> nn.Module:
+    """``name`` saved in Hugging Face layout by rank 0 (transformers writes only from the
+    main process) and loaded back by every rank with ``from_pretrained``, whose weights
+    are memory-mapped from the file (storages that cannot be resized)."""
+    import tempfile
+
+    import transformers
+
+    folder = [tempfile.mkdtemp(prefix="zeroshard-saved-") if dist.get_rank() == 0 else None]
+    if dist.get_rank() == 0:
+        _hf(name).save_pretrained(folder[0])
+    dist.broadcast_object_list(folder, src=0)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder[0])
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(1234)
+    if name.endswith(" from_pretrained"):
+        return _saved_and_loaded(name.split()[0])
     if name == "moe":
         return MoE()
     if name == "odd":
@@ -123,7 +140,7 @@ def batch(name: str, step: int) -> dict:
     g = torch.Generator().manual_seed(100 + step)
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    if name in ("qwen2", "mistral", "bert"):
+    if name.split()[0] in ("qwen2", "mistral", "bert"):
         ids = torch.randint(1, 32, (BATCH, 8), generator=g)[rows]
         return {"input_ids": ids, "labels": ids}
     if name == "t5":

@@ -62,9 +62,12 @@ class Unit(UnitStep, UnitView):
             src = p.detach().to(device).reshape(slot.rows, slot.row_numel)
             if (src.dtype == self.compute_dtype and src.is_contiguous()
                     and src.storage_offset() == 0 and slot.chunk_rows * self.world == slot.rows
-                    and src.untyped_storage().nbytes() == slot.numel * src.element_size()):
+                    and src.untyped_storage().nbytes() == slot.numel * src.element_size()
+                    and src.untyped_storage().resizable()):
                 # no padding: keep the storage, under a tensor with its own version counter
-                # (autograd must not see the optimizer's in-place updates as edits of p)
+                # (autograd must not see the optimizer's in-place updates as edits of p).
+                # Not one that cannot be resized (weights memory-mapped from a file, as
+                # transformers' from_pretrained leaves them): release() empties it.
                 buf = torch.empty(0, dtype=src.dtype, device=device).set_(
                     src.untyped_storage(), 0, (self.world, slot.chunk_numel))
             else:
