@@ -178,7 +178,7 @@ def test_deepspeed_fp16_block_is_checked():
         zs.GradScaler.from_deepspeed(object(), {"fp16": {"enabled": True, "loss_scale": -1}})
     with pytest.raises(ValueError, match=r"fp16.hysteresis='2' must be a number"):
         zs.GradScaler.from_deepspeed(object(), {"fp16": {"enabled": True, "hysteresis": "2"}})
-    with pytest.raises(ValueError, match=r"fp16.loss_scale_window gives growth_interval=0 is"):
+    with pytest.raises(ValueError, match=r"fp16.loss_scale_window=0; expected at least 1"):
         zs.GradScaler.from_deepspeed(object(), {"fp16": {"enabled": True,
                                                          "loss_scale_window": 0}})
 

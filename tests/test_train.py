@@ -1,6 +1,7 @@
 """`zeroshard train`: configuration, the loss curve across stages and N, the command."""
 
 import json
+import tempfile
 import warnings
 
 import pytest
@@ -177,6 +178,9 @@ ENGINE_FLAGS = {
     "quantize_grads": (["--quantize-grads"], True),
     "quant_block": (["--quant-block", "256"], 256),
     "offload": (["--offload", "optimizer"], "optimizer"),
+    "offload_dir": (["--offload", "optimizer", "--offload-dir", tempfile.gettempdir()],
+                    tempfile.gettempdir()),
+    "sub_group_size": (["--sub-group-size", "1000"], 1000),
 }
 
 
@@ -296,6 +300,35 @@ def _fp16():
     return train(TrainConfig(model="tiny", steps=8, batch=8, lr=1e-2, eval_every=100,
                              eval_batches=1, sample_chars=0,
                              zero=ZeroConfig(stage=2, mixed_precision="fp16")))["losses"]
+
+
+def _fp16_deepspeed(save_dir):
+    """A DeepSpeed config's fp16 block through the trainer: 8 good steps with a window of
+    2 grow the scale by DeepSpeed's rule (at steps 3, 5 and 7: the first growth one step
+    after torch's) from 2^10 to 2^13; torch's rule would reach 2^14. Then the same run
+    saved at step 4 and resumed: the scale and its counters come back with it."""
+    kwargs = from_deepspeed({"zero_optimization": {"stage": 2}, "fp16": {
+        "enabled": True, "initial_scale_power": 10, "loss_scale_window": 2}}, nproc=2)
+    common = dict(model="tiny", batch=8, lr=1e-2, eval_every=100, eval_batches=1,
+                  sample_chars=0, **kwargs)
+    whole = train(TrainConfig(steps=8, **common))["loss_scale"]
+    train(TrainConfig(steps=4, save_dir=save_dir, **common))
+    resumed = train(TrainConfig(steps=8, save_dir=save_dir, resume="latest", **common))
+    return whole, resumed["loss_scale"]
+
+
+def test_fp16_trains_with_deepspeeds_loss_scaling(tmp_path):
+    assert spawn(_fp16_deepspeed, 2, str(tmp_path), timeout=120) == [(2.0 ** 13,) * 2] * 2
+
+
+def test_deepspeed_fp16_block_goes_to_the_trainers_scaler(recwarn):
+    out = from_deepspeed({"fp16": {"enabled": True, "hysteresis": 3, "auto_cast": False}},
+                         nproc=2)
+    assert out["loss_scaler"] == {"enabled": True, "hysteresis": 3}
+    assert [str(w.message) for w in recwarn.list] == [
+        "DeepSpeed config keys ignored by zeroshard: fp16.auto_cast"]
+    with pytest.raises(ValueError, match=r"fp16.min_loss_scale=0; expected above 0"):
+        from_deepspeed({"fp16": {"enabled": True, "min_loss_scale": 0}}, nproc=2)
 
 
 def test_fp16_trains_with_dynamic_loss_scaling():

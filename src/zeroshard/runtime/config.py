@@ -12,6 +12,7 @@ from .._jsonfile import read_json_object
 from ..offload.options import check_disk, deepspeed_offload
 from ..plan.recipes import RECIPES, Recipe, get_recipe
 from .nonfinite import POLICIES
+from .scaler import SCALER_KEYS  # DeepSpeed's fp16 keys zs.GradScaler reads, not the engine
 
 #: ``mixed_precision`` shorthands -> recipe names.
 _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adamw",
@@ -35,9 +36,6 @@ DEEPSPEED_KEYS = {
 #: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by
 #: ``offload.options.deepspeed_offload`` into ``offload`` and ``offload_dir``.
 _OFFLOAD_KEYS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
-#: DeepSpeed's fp16 keys that ``zs.GradScaler.from_deepspeed`` reads, not the engine.
-_SCALER_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                "consecutive_hysteresis", "min_loss_scale")
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
 
 
@@ -273,7 +271,8 @@ class ZeroConfig:
             [f"{s}.{k}" for s in _DEEPSPEED_SECTIONS for k in sections[s]
              if f"{s}.{k}" not in DEEPSPEED_KEYS and f"{s}.{k}" not in handled]
             + [k for k in d if k not in _DEEPSPEED_SECTIONS and k not in handled])
-        scaler = [k for k in ignored if k.startswith("fp16.") and k[5:] in _SCALER_KEYS]
+        scaler = [k for k in ignored if k.startswith("fp16.") and k[5:] in SCALER_KEYS
+                  and sections["fp16"].get("enabled") is True]
         ignored = [k for k in ignored if k not in scaler]
         if ignored:
             warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",

@@ -144,43 +144,47 @@ class GradScaler:
                 self._scale *= self.growth_factor
         ds["iter"] += 1
 
-    @classmethod
-    def from_deepspeed(cls, model, config) -> GradScaler:
-        """A scaler from a DeepSpeed config (a dict or a JSON file path) whose ``fp16``
-        block is enabled, with DeepSpeed's defaults for absent keys and its update rule."""
+    @staticmethod
+    def deepspeed_settings(config) -> dict:
+        """The loss-scaling settings of a DeepSpeed config (a dict or a JSON file path)
+        whose ``fp16`` block is enabled: each of DeepSpeed's keys, its default where
+        absent; a bad value is an error naming its key."""
         if not isinstance(config, dict):
             config = read_json_object(config, "config")
         block = config.get("fp16", {})
         if not isinstance(block, dict) or block.get("enabled") is not True:
             raise ValueError(f"fp16={block!r}: GradScaler.from_deepspeed needs a DeepSpeed "
                              "config whose fp16 block has \"enabled\": true")
-        unknown = sorted(set(block) - set(_DEEPSPEED_FP16) - {"enabled"})
-        if unknown:
-            warnings.warn(f"DeepSpeed fp16 keys ignored by zeroshard: {', '.join(unknown)}",
-                          stacklevel=2)
         got = {k: block.get(k, default) for k, default in _DEEPSPEED_FP16.items()}
         for key, value in got.items():
             kind = bool if key == "consecutive_hysteresis" else (int, float)
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
                 raise ValueError(f"fp16.{key}={value!r} must be "
                                  f"{'true or false' if kind is bool else 'a number'}")
-        if got["loss_scale"] < 0:
-            raise ValueError(f"fp16.loss_scale={got['loss_scale']!r}; expected 0 (dynamic) "
-                             "or a positive static scale")
+        for key, ok, accepted in (
+                ("loss_scale", got["loss_scale"] >= 0, "0 (dynamic) or a positive static scale"),
+                ("loss_scale_window", got["loss_scale_window"] >= 1, "at least 1"),
+                ("hysteresis", got["hysteresis"] >= 1, "at least 1"),
+                ("min_loss_scale", got["min_loss_scale"] > 0, "above 0")):
+            if not ok:
+                raise ValueError(f"fp16.{key}={got[key]!r}; expected {accepted}")
+        return got
+
+    @classmethod
+    def from_deepspeed(cls, model, config) -> GradScaler:
+        """A scaler from a DeepSpeed config (a dict or a JSON file path) whose ``fp16``
+        block is enabled, with DeepSpeed's defaults for absent keys and its update rule."""
+        got = cls.deepspeed_settings(config)
+        block = config["fp16"] if isinstance(config, dict) else {}
+        unknown = sorted(set(block) - set(_DEEPSPEED_FP16) - {"enabled"})
+        if unknown:
+            warnings.warn(f"DeepSpeed fp16 keys ignored by zeroshard: {', '.join(unknown)}",
+                          stacklevel=2)
         static = got["loss_scale"] > 0
-        try:
-            scaler = cls(model, init_scale=(got["loss_scale"] if static
-                                            else 2.0 ** got["initial_scale_power"]),
-                         growth_interval=got["loss_scale_window"],
-                         hysteresis=got["hysteresis"], min_scale=got["min_loss_scale"],
-                         dynamic=not static)
-        except ValueError as exc:  # name the DeepSpeed key the value came from
-            message = str(exc).removeprefix("GradScaler: ")
-            for key, name in (("initial_scale_power", "init_scale"),
-                              ("loss_scale_window", "growth_interval"),
-                              ("min_loss_scale", "min_scale")):
-                message = message.replace(f"{name}=", f"fp16.{key} gives {name}=", 1)
-            raise ValueError(message) from None
+        scaler = cls(model, init_scale=(got["loss_scale"] if static
+                                        else 2.0 ** got["initial_scale_power"]),
+                     growth_interval=got["loss_scale_window"], hysteresis=got["hysteresis"],
+                     min_scale=got["min_loss_scale"], dynamic=not static)
         scaler._deepspeed = {"iter": 0, "last_overflow": -1, "left": got["hysteresis"],
                              "consecutive": got["consecutive_hysteresis"]}
         return scaler
@@ -201,3 +205,6 @@ class GradScaler:
 #: DeepSpeed's fp16 keys (``deepspeed.runtime.constants``) with DeepSpeed's defaults.
 _DEEPSPEED_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                    "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
+
+#: The keys of DeepSpeed's fp16 block that set loss scaling (all but ``enabled``).
+SCALER_KEYS = tuple(_DEEPSPEED_FP16)

@@ -68,6 +68,11 @@ _ENGINE_FLAGS = {
     "check_collectives": dict(shown="on", help="ranks exchange a fingerprint of each "
                               "collective and stop at once, naming each rank's position, "
                               "when they are out of step"),
+    "offload_dir": dict(metavar="DIR", shown="none", help="with --offload: the master and "
+                        "optimizer state in scratch files under DIR, streamed through host "
+                        "memory at the step (disk offload)"),
+    "sub_group_size": dict(metavar="N", help="disk offload: elements stepped at once (the host "
+                           "holds three sub-groups)"),
     "nonfinite": dict(metavar="{raise,skip,ignore}", shown="skip, stopping after "
                       "--max-skipped consecutive skips", help="a step whose reduced gradients "
                       "hold a NaN or inf, on every rank alike"),

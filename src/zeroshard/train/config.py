@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from .._jsonfile import read_json_object
 from ..models.gpt import PRESETS
 from ..runtime.config import ZeroConfig, is_deepspeed
+from ..runtime.scaler import SCALER_KEYS, GradScaler
 
 
 def processes(n: int) -> str:
@@ -31,7 +32,7 @@ TRAIN_ZERO = ZeroConfig(nonfinite="skip")
 
 #: What each annotated type accepts, in the words of an error.
 _TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-          "str": ((str,), "a string")}
+          "str": ((str,), "a string"), "dict": ((dict,), "a JSON object")}
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,12 @@ class TrainConfig:
     smaller of the model's longest sequence and 1024."""
     tensorboard: str | None = None
     """Write TensorBoard scalars into this folder (rank 0)."""
+    loss_scaler: dict | None = None
+    """fp16's loss scaling as DeepSpeed's ``fp16`` block gives it (``loss_scale``,
+    ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``,
+    ``consecutive_hysteresis``, ``min_loss_scale``), read by
+    ``zs.GradScaler.from_deepspeed`` with DeepSpeed's rule; None: ``zs.GradScaler``'s
+    defaults (torch's). Set from a DeepSpeed ``--config`` whose fp16 is enabled."""
     max_skipped: int = 10
     """Consecutive steps skipped for non-finite gradients (``zero.nonfinite="skip"``)
     after which the run stops with an error: a few are a bad batch, ten in a row a run
@@ -217,9 +224,17 @@ def from_deepspeed(ds: dict, nproc: int) -> dict:
     one translator (``ZeroConfig.from_deepspeed``), which names every key neither it nor
     the trainer honours in one warning; clipping and the batch sizes here. A bad value
     is an error naming its key."""
-    zero = ZeroConfig.from_deepspeed(ds, handled=TRAINER_DEEPSPEED_KEYS)
+    fp16 = ds.get("fp16")
+    scaling = {}  # fp16 on: its loss-scaling keys, the trainer's GradScaler's
+    if isinstance(fp16, dict) and fp16.get("enabled") is True:
+        GradScaler.deepspeed_settings(ds)  # a bad value is named before launch
+        scaling = {k: v for k, v in fp16.items() if k in SCALER_KEYS}
+    handled = TRAINER_DEEPSPEED_KEYS + tuple(f"fp16.{k}" for k in scaling)
+    zero = ZeroConfig.from_deepspeed(ds, handled=handled)
     flat = {k: ds[k] for k in TRAINER_DEEPSPEED_KEYS if k in ds}
     out: dict = {"zero": zero}
+    if scaling:
+        out["loss_scaler"] = {"enabled": True, **scaling}
     for key, v in flat.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
                 key != "gradient_clipping" and (not isinstance(v, int) or v == 0)):

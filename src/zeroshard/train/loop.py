@@ -114,7 +114,9 @@ def train(cfg: TrainConfig) -> dict:
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     # fp16: dynamic loss scaling, every rank alike (skipped steps count as skips below)
-    scaler = GradScaler(model, enabled=model.zero_config.recipe.param_dtype == "fp16")
+    fp16 = model.zero_config.recipe.param_dtype == "fp16"
+    scaler = (GradScaler.from_deepspeed(model, {"fp16": cfg.loss_scaler})
+              if fp16 and cfg.loss_scaler is not None else GradScaler(model, enabled=fp16))
     corpus = datasource.open_source(cfg, source.vocab, seq_len, rank)
     unit_params = [sum(p.numel() for p in u.params) for u in model.units]
     out = report.Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
@@ -141,6 +143,8 @@ def train(cfg: TrainConfig) -> dict:
             raise ValueError(f"resume={cfg.resume!r}: {ckpt} is at step {start} and steps="
                              f"{cfg.steps}: nothing to train; give --steps above {start}")
         scheduler.load_state_dict(extra["scheduler"])
+        if scaler.enabled and "loss_scaler" in extra:  # fp16: the scale and its counters
+            scaler.load_state_dict(extra["loss_scaler"])
         out.note(f"resumed from {ckpt} (step {start}): weights, optimizer state, schedule")
     first_eval = evaluate(model, source, corpus, cfg, "val", rank, world, seq_len)
     out.start(first_eval, start)
@@ -199,6 +203,8 @@ def train(cfg: TrainConfig) -> dict:
                       "grad_norm": None if norm is None else norm.item(),
                       "skipped": model.last_step_skipped,
                       "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+            if scaler.enabled:
+                record["loss_scale"] = scaler.get_scale()
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 record["train_loss"] = evaluate(model, source, corpus, cfg, "train", rank, world,
                                                 seq_len)
@@ -213,7 +219,9 @@ def train(cfg: TrainConfig) -> dict:
                                  or step + 1 == cfg.steps):
                 _save(model, optimizer, cfg, step + 1,
                       {"step": step + 1, "scheduler": scheduler.state_dict(),
-                       "config": cfg.to_dict()}, out)
+                       "config": cfg.to_dict(),
+                       **({"loss_scaler": scaler.state_dict()} if scaler.enabled else {})},
+                      out)
                 model.comm_stats(reset=True)
             if log:
                 log.write(json.dumps(record) + "\n")
@@ -233,4 +241,4 @@ def train(cfg: TrainConfig) -> dict:
         model.eval()
         out.sample(source.sample(model, device))
     return {"losses": losses, "evals": evals, "first_val": first_eval,
-            "memory": memories[rank]}
+            "memory": memories[rank], "loss_scale": scaler.get_scale()}
