@@ -214,6 +214,13 @@ def test_export_loads_with_from_pretrained_to_the_trained_logits(runs, name):
     assert len(AutoTokenizer.from_pretrained(out)) == VOCAB
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
+    from safetensors import safe_open
+
+    written = set()
+    for f in out.glob("*.safetensors"):
+        with safe_open(f, "pt") as fh:
+            written |= set(fh.keys())
+    assert written <= set(model.state_dict()), written - set(model.state_dict())  # as saved
     with torch.no_grad(), _one_thread():
         logits = model(input_ids=PROBE, use_cache=False).logits
     assert torch.equal(logits, runs["logits"][name]), \

@@ -60,7 +60,8 @@ def _export(ckpt_path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
 
     items = [(n, tuple(p["shape"])) for n, p in manifest["params"].items()]
     f0 = f"rank{0:05d}.safetensors"
-    buffers = [(n, tuple(s)) for n, s in manifest["buffers"].items()]
+    skip = set(manifest.get("nonpersistent", ()))  # as torch's state_dict() leaves them
+    buffers = [(n, tuple(s)) for n, s in manifest["buffers"].items() if n not in skip]
     entries_ = [(n, s, out_dtype, lambda n=n, s=s: assemble(n, s)) for n, s in items]
     for n, s in buffers:
         src_dtype = opened(f0).dtype(f"{n}::buffer")

@@ -227,6 +227,11 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         "params": {e.name: {"shape": list(e.shape), "dtype": str(e.source.dtype)[6:],
                             "trainable": e.trainable} for e in entries(model)},
         "buffers": {n: list(b.shape) for n, b in model.module.named_buffers()},
+        # buffers a module registered with persistent=False (rotary tables): resumed with
+        # the rest, but no part of a state dict, so not of an export
+        "nonpersistent": sorted(
+            f"{prefix}.{n}" if prefix else n for prefix, m in model.module.named_modules()
+            for n in getattr(m, "_non_persistent_buffers_set", ())),
         "optimizer": None if optimizer is None else {"class": type(optimizer).__name__,
                                                      "param_groups": groups},
         "files": {f["file"]: {k: f[k] for k in ("sha256", "bytes", "rows")} for f in files},
