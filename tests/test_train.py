@@ -134,6 +134,9 @@ def test_config_file_flags_win(tmp_path):
     (["--batch", "7", "--nproc", "2"], "batch=7 does not divide over 2 processes"),
     (["--micro-batch", "3"], "micro_batch=3 does not divide the 8 sequences"),
     (["--model", "huge"], "model='huge'; expected one of tiny, small, medium"),
+    (["--model", "tiny", "--hf-model", "/nonexistent"],
+     "model='tiny' is a built-in GPT preset and hf_model='/nonexistent' a model folder: "
+     "give one of them"),
     (["--steps", "0"], "steps=0 must be a positive number"),
     (["--resume", "/nonexistent"], "/nonexistent: no such checkpoint folder"),
     (["--init-from", "/nonexistent"], "init_from='/nonexistent': no such file"),

@@ -319,4 +319,7 @@ def resolve(flags: dict, config_path: str | None = None) -> TrainConfig:
     given = {k: v for k, v in flags.items() if v is not None}
     trainer.update({k: v for k, v in given.items() if k in trainer_keys})
     engine.update({k: v for k, v in given.items() if k in engine_set})
+    if trainer.get("model") is not None and trainer.get("hf_model") is not None:
+        raise ValueError(f"model={trainer['model']!r} is a built-in GPT preset and hf_model="
+                         f"{trainer['hf_model']!r} a model folder: give one of them")
     return _build(zero, trainer, engine)
