@@ -104,13 +104,19 @@ def block_parts(arch: Architecture, b: int, seq: int, flash: bool,
     return norms, attn + mlp
 
 
+def loss_bytes(arch: Architecture) -> int:
+    """Bytes per token the loss itself saves, whatever the logits' dtype: its fp32
+    log-softmax over the vocabulary (``4V``) and the int64 labels."""
+    return 4 * arch.vocab + INDEX_BYTES
+
+
 def head_bytes(arch: Architecture, b: int) -> int:
     """Bytes per token of the final norm, the output layer and the loss, and the
     embedding's input ids."""
     h, v = arch.hidden, arch.vocab
     norm = _norm(arch, b, h) + b * h + (b * h if arch.norm_bias else 0)
     softcap = b * v if arch.family == "gemma2" else 0
-    return norm + softcap + 4 * v + INDEX_BYTES + INDEX_BYTES
+    return norm + softcap + loss_bytes(arch) + INDEX_BYTES
 
 
 def loss_backward_bytes(arch: Architecture) -> int:

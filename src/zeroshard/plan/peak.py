@@ -44,14 +44,20 @@ or gradients in flight) are left out.
 
 ``profiled`` leaves out what the engine's profiler cannot see (autograd's gradients, a
 unit's full gradients at stages 2-3 before they are packed, the optimizer's
-temporaries), for holding the plan against a profile.
+temporaries), for holding the plan against a profile. With ``loss_outside`` (the loss
+computed on the logits the model returns, as ``zeroshard train --hf-model`` does in
+``models/hf.lm_loss``, rather than inside the model's forward as the built-in GPT and
+transformers given ``labels`` do) the loss's own saved tensors
+(``activations.loss_bytes``: its fp32 log-softmax and the labels) are real memory, in
+:attr:`Peak.bytes`, but outside the profiler's saved-tensor hooks, which wrap the
+model's forward only, so not in ``profiled``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .activations import head_bytes, loss_backward_bytes
+from .activations import head_bytes, loss_backward_bytes, loss_bytes
 from .arch import ModelSpec
 from .backward import BackwardPass, Moment
 from .memory import (
@@ -111,6 +117,9 @@ class Peak:
     under disk offload the fp32 gradients and the sub-group buffers)."""
     secondary: int = 0
     """hpZ: every unit's secondary shards, held from the forward into the backward."""
+    unseen_loss: int = 0
+    """Of ``head_activations``, the loss's own saved tensors when it runs outside the
+    model's forward, where the profiler does not count them (``loss_outside``)."""
 
     @property
     def accumulating(self) -> bool:
@@ -149,7 +158,8 @@ class Peak:
         temporaries."""
         held = self.weights + self.optimizer + self.during
         return {
-            "loss backward": held + self.forward_saved + self.root_gathered + self.secondary,
+            "loss backward": held + self.forward_saved - self.unseen_loss + self.root_gathered
+            + self.secondary,
             "block backward": held + self.blocks.seen,
             "backward end": held + self.end.seen,
             "optimizer step": self.weights + self.optimizer + self.grads + self.step_buffers,
@@ -172,7 +182,8 @@ class Peak:
         out = {k: getattr(self, k) for k in (
             "weights", "grads", "optimizer", "activations", "head_activations",
             "forward_saved", "loss_backward", "root_gathered", "step_buffers",
-            "optimizer_temporaries", "during", "accumulating", "host", "secondary")}
+            "optimizer_temporaries", "during", "accumulating", "host", "secondary",
+            "unseen_loss")}
         for name in ("blocks", "end"):
             m = getattr(self, name)
             out[name] = {"bytes": m.bytes, "at": m.at, "seen": m.seen, "seen_at": m.seen_at}
@@ -191,14 +202,16 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
          prefetch: int = 1, blocks_per_unit: int = 1, tp: int = 1, micro_batches: int = 1,
          optimizer_impl: str = "foreach", shard_group: int | None = None,
          offload: str | None = None, zeropp: ZeroPP | None = None,
-         offload_dir: bool = False, sub_group_size: int = SUB_GROUP_SIZE) -> Peak:
+         offload_dir: bool = False, sub_group_size: int = SUB_GROUP_SIZE,
+         loss_outside: bool = False) -> Peak:
     """The :class:`Peak` of one GPU of ``gpus`` at ``stage`` running ``micro_batches``
     micro-batches of ``work`` per step; with ``shard_group`` K (hybrid sharding) every
     shard, reduction buffer and owned slice is that of K ranks (the replicas'
     all-reduce runs in place on the reduced slot: nothing more is held); ``offload`` as
     far as ``stage`` takes it (``offload.offload_at``); ``zeropp`` as far as ``stage``
     takes it (``ZeroPP.at``): hpZ's secondary shards; ``offload_dir`` (with ``offload``)
-    the master and the states in files, streamed in sub-groups of ``sub_group_size``."""
+    the master and the states in files, streamed in sub-groups of ``sub_group_size``;
+    ``loss_outside``: the loss runs outside the model's forward (:attr:`Peak.unseen_loss`)."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r}; expected one of "
                          f"{', '.join(OPTIMIZER_IMPLS)}")
@@ -210,10 +223,11 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     device = placed.device
     saved = activation_saved(model, recipe, work, tp)
     acts = saved.peak if saved else 0
-    head = loss = 0
+    head = loss = unseen = 0
     if model.arch is not None and acts:
         head = work.tokens * head_bytes(model.arch, recipe.activation_bytes)
         loss = work.tokens * loss_backward_bytes(model.arch)
+        unseen = work.tokens * loss_bytes(model.arch) if loss_outside else 0
     root, block = unit_params(model, blocks_per_unit, tp)
     gathered = 0
     if stage == 3:
@@ -240,7 +254,7 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     forward_saved = saved.blocks + saved.head if saved else 0
     return Peak(device.weights, device.grads, device.optimizer, acts, head, forward_saved,
                 loss, gathered, walk.blocks_moment(), walk.end_moment(), device.buffers,
-                temporaries, during, host, sum(kept))
+                temporaries, during, host, sum(kept), unseen)
 
 
 def _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, tp,

@@ -19,12 +19,14 @@ def gpt_architecture(c) -> Architecture:
                         linear_bias=True, family="gpt")
 
 
-def predicted(model, arch, tokens: int, seq_len: int) -> tuple[dict[str, int], int]:
+def predicted(model, arch, tokens: int, seq_len: int,
+              loss_outside: bool = False) -> tuple[dict[str, int], int]:
     """The planner's figures for this run (``zeroshard.plan.peak``: the model's
     architecture ``arch``, an Architecture or the built-in GPT's ``GPTConfig``, and its
     workload): per category at the peak, and the peak the profiler can see (saved
     tensors, not kernels' scratch), for ``tokens`` per rank per forward in sequences of
-    ``seq_len``."""
+    ``seq_len``; ``loss_outside``: the loss is computed on the logits the model returns,
+    where the profiler does not count its saved tensors (``Peak.unseen_loss``)."""
     recipe, world = model.zero_config.recipe, model.comm.dp_world
     if not isinstance(arch, Architecture):
         arch = gpt_architecture(arch)
@@ -32,9 +34,19 @@ def predicted(model, arch, tokens: int, seq_len: int) -> tuple[dict[str, int], i
     impl = "foreach" if model.units[0].device.type == "cuda" else "for-loop"  # torch's pick
     p = peak(ModelSpec.from_arch(arch), recipe, work, world, model.stage,
              model.zero_config.prefetch, optimizer_impl=impl,
-             shard_group=model.comm.shard_world)
+             shard_group=model.comm.shard_world, loss_outside=loss_outside)
     return ({"params": p.weights, "grads": p.grads, "optimizer": p.optimizer,
-             "activations": p.activations}, p.profiled)
+             "activations": p.activations - p.unseen_loss}, p.profiled)
+
+
+def _loss_outside(source) -> bool:
+    """The trainer's loss of a Hugging Face model (``models/hf.lm_loss``) is a
+    cross-entropy on the logits the model returns: it runs after the model's forward,
+    outside the profiler's saved-tensor hooks (``Profiler.forward_context``), while the
+    built-in GPT computes its loss inside its forward."""
+    from .hfmodel import HFCausalLM
+
+    return isinstance(source, HFCausalLM)
 
 
 def profile_report(model, cfg, source, micro: int, seq_len: int, rank: int, out) -> None:
@@ -46,7 +58,8 @@ def profile_report(model, cfg, source, micro: int, seq_len: int, rank: int, out)
     if rank == 0:
         lifetime_chart(prof, str(folder / "lifetimes.png"),
                        f"{source.label}, ZeRO stage {cfg.zero.stage}, rank 0")
-    plan, planned_total = predicted(model, source.architecture(), micro * seq_len, seq_len)
+    plan, planned_total = predicted(model, source.architecture(), micro * seq_len, seq_len,
+                                    _loss_outside(source))
     _, at = prof.peak()
     measured = {k: at.memory[k] for k in plan}
     statements = [None] * model.comm.dp_world
