@@ -4,8 +4,8 @@ This rank's optimizer partition is every disk unit's slot, in unit order, cut in
 sub-groups of ``sub_group_size`` elements (DeepSpeed's meaning; a sub-group may span
 parameters and units). For sub-group k the step
 
-1. waits for its read (master, ``exp_avg``, ``exp_avg_sq`` into one of three buffers),
-2. starts reading k + 1 into the next buffer, once the write of k - 2 has left it,
+1. queues the read of k + 1 (master, ``exp_avg``, ``exp_avg_sq``) into the other of two
+   buffers, behind the write-back of k - 1 that leaves it, and waits for its own read,
 3. steps it with torch's fused AdamW kernel (``torch._fused_adamw_``, as
    ``HostAdamW``), one call per param group, on the segments of the parameters that
    have a gradient (the fp32 host gradients offload lands during backward),
@@ -14,14 +14,16 @@ parameters and units). For sub-group k the step
    that stages 1-2 all-gather after the step,
 5. starts writing k back.
 
-Reads and writes run on two background threads (``os.preadv``/``os.pwritev`` and the
-kernel release the GIL), so the host holds three sub-groups of master and moments
-whatever the model's size. The update is elementwise, and torch's fused kernel gives the
-same bits on any split of a tensor, so the result is ``AdamW(fused=True)``'s on the whole
-tensors, bit for bit. Hyper-parameters come from the user's optimizer's param groups at
-each step (LR schedulers keep working); its own ``step()`` then finds no gradient and
-does nothing. Its state holds the step counts and, as ``exp_avg``/``exp_avg_sq``,
-tensors over the files: its ``state_dict()`` reads them there.
+Reads and writes run in order on one background thread (``os.preadv``/``os.pwritev`` and
+the kernel release the GIL) while the current sub-group steps, so the host holds two
+sub-groups of master and moments whatever the model's size, and a sub-group takes the
+longer of its step and the I/O beside it (one write and one read). The update is
+elementwise, and torch's fused kernel gives the same bits on any split of a tensor, so
+the result is ``AdamW(fused=True)``'s on the whole tensors, bit for bit.
+Hyper-parameters come from the user's optimizer's param groups at each step (LR
+schedulers keep working); its own ``step()`` then finds no gradient and does nothing.
+Its state holds the step counts and, as ``exp_avg``/``exp_avg_sq``, tensors over the
+files: its ``state_dict()`` reads them there.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class DiskStep:
         self.groups = _cut(self.units, sub_group_size)
         self.group_numel = max((g[-1][3] + g[-1][2] - g[-1][1] for g in self.groups),
                                default=0)
-        self.buffers: list[torch.Tensor] = []  # [3, group_numel] fp32 each, from the first step
+        self.buffers: list[torch.Tensor] = []  # two [3, group_numel] fp32, from the first step
         # (unit, j) whose moments in the file are still the zeros written at zs.shard time
         self._zero = {(u.index, j) for u in self.units for j in range(len(u.trainable))}
         self._pool: ThreadPoolExecutor | None = None
@@ -187,19 +189,20 @@ class DiskStep:
             return
         if not self.buffers:
             self.buffers = [torch.empty(3, self.group_numel)
-                            for _ in range(min(3, len(groups)))]
-            self._pool = ThreadPoolExecutor(2, thread_name_prefix="zeroshard-disk")
+                            for _ in range(min(2, len(groups)))]
+            # One I/O thread: its queue runs in order, so the write-back of sub-group
+            # k - 1 always ends before the read of k + 1 into the same buffer begins, and
+            # both run while k steps; a drive serves reads and writes one at a time anyway.
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zeroshard-disk")
         nbuf = len(self.buffers)
         reads, writes = {0: self._pool.submit(self._io, groups[0], self.buffers[0], False)}, {}
         failure = None
         try:
             for k, group in enumerate(groups):
-                reads.pop(k).result()
-                if k + 1 < len(groups):
-                    if k + 1 - nbuf in writes:  # the buffer k + 1 reuses is written back
-                        writes.pop(k + 1 - nbuf).result()
+                if k + 1 < len(groups):  # queued behind the write-back of k + 1 - nbuf
                     reads[k + 1] = self._pool.submit(self._io, groups[k + 1],
                                                      self.buffers[(k + 1) % nbuf], False)
+                reads.pop(k).result()
                 self._step_group(group, self.buffers[k % nbuf], active)
                 writes[k] = self._pool.submit(self._io, group, self.buffers[k % nbuf], True)
         except OffloadDiskError as exc:

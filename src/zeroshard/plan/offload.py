@@ -36,17 +36,17 @@ differs: ``2·(m + S) + m + [w ≠ m]·w`` bytes, 28 in fp32 and 30 under bf16 A
 
 **Disk offload** (``offload_dir``, ``--offload-dir``; ``offload/stream.py``): the
 master and the states move from the host to files, ``(m + S)·n`` per GPU on disk; the
-host keeps the fp32 gradient copy and the step's sub-group buffers, three of
+host keeps the fp32 gradient copy and the step's sub-group buffers, two of
 ``(m + S)·G`` bytes for sub-groups of G = ``sub_group_size`` elements (fewer when the
 rank's n elements make fewer sub-groups, and ``min(G, n)`` each). Every step reads and
 writes the whole partition: ``(m + S)·n`` bytes each way per GPU, at the host preset's
 ``disk_bandwidth`` (``plan/hardware.py``). The device's bytes are host offload's.
 
 **The streamed step's seconds** (:func:`streamed_step`; ``offload/stream.py``): sub-group
-k is stepped while one of two I/O threads reads k + 1 and the other writes k - 1 back,
-and the drive serves them one at a time. With sub-groups of g_1 … g_K elements (G each,
-the last the rest), a host step of h seconds an element and d = (m + S)/disk_bandwidth
-seconds an element each way::
+k is stepped while the one I/O thread writes k - 1 back and then reads k + 1 into the
+same buffer, in order, as the drive serves them anyway. With sub-groups of g_1 … g_K
+elements (G each, the last the rest), a host step of h seconds an element and
+d = (m + S)/disk_bandwidth seconds an element each way::
 
     T = d·g_1 + Σ_k max(h·g_k, d·(g_{k+1} + g_{k-1})) + d·g_K
 
@@ -232,9 +232,9 @@ def host_step_bytes(recipe: Recipe, offload: str | None) -> int:
 
 
 def sub_group_buffers(owned_elements: int, state_bytes: int, sub_group_size: int) -> int:
-    """Host bytes of disk offload's step buffers: up to three sub-groups (one read
-    ahead, one stepping, one written back) of ``min(G, n)`` elements, ``state_bytes``
-    (master and states) each."""
+    """Host bytes of disk offload's step buffers: up to two sub-groups (one stepping;
+    the other written back, then read ahead into) of ``min(G, n)`` elements,
+    ``state_bytes`` (master and states) each."""
     if isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or (
             sub_group_size < 1):
         raise ValueError(f"sub_group_size={sub_group_size!r} must be an integer >= 1 "
@@ -242,7 +242,7 @@ def sub_group_buffers(owned_elements: int, state_bytes: int, sub_group_size: int
     if owned_elements <= 0:
         return 0
     groups = _ceil_div(owned_elements, sub_group_size)
-    return min(3, groups) * state_bytes * min(sub_group_size, owned_elements)
+    return min(2, groups) * state_bytes * min(sub_group_size, owned_elements)
 
 
 def on_disk(placed: Placement, params: int, gpus: int, recipe: Recipe, stage: int,

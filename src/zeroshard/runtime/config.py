@@ -153,10 +153,10 @@ class ZeroConfig:
     then. None: no disk."""
     sub_group_size: int = 100_000_000
     """Disk offload: elements of each rank's optimizer partition stepped at once
-    (DeepSpeed's ``sub_group_size``: its default is 1e9). The host holds three
-    sub-groups of master and moments (12 bytes an element each: one read ahead, one
-    stepping, one written back) plus the stepping one's cast, whatever the model's
-    size."""
+    (DeepSpeed's ``sub_group_size``: its default is 1e9). The host holds two
+    sub-groups of master and moments (12 bytes an element each: one stepping, the other
+    written back and then read ahead into) plus the stepping one's cast, whatever the
+    model's size."""
     nonfinite: str = "raise"
     """What the optimizer step does when a reduced gradient holds a NaN or inf, decided
     alike on every rank in one small exchange (free when the cycle was clipped: the

@@ -72,7 +72,7 @@ _ENGINE_FLAGS = {
                         "optimizer state in scratch files under DIR, streamed through host "
                         "memory at the step (disk offload)"),
     "sub_group_size": dict(metavar="N", help="disk offload: elements stepped at once (the host "
-                           "holds three sub-groups)"),
+                           "holds two sub-groups)"),
     "nonfinite": dict(metavar="{raise,skip,ignore}", shown="skip, stopping after "
                       "--max-skipped consecutive skips", help="a step whose reduced gradients "
                       "hold a NaN or inf, on every rank alike"),
