@@ -27,10 +27,19 @@ Hugging Face implementation runs (transformers 5; the built-in GPT is the "gpt" 
   (``4V``: the loss upcasts the logits, cross-entropy keeps its log-softmax), the labels
   (int64, 8) and Gemma-2's logit soft-capping (``b·V``); the input ids (8).
 
-Dropout is taken as off (p = 0, as Llama-family models train and most fine-tuning runs;
-each active dropout adds a mask per element it touches). Measured on CPU with the
-profiler for every family at two sequence lengths and two micro-batches, fp32 and bf16,
-flash and eager, in ``tests/test_plan_activations.py`` (within 2 %).
+Dropout where the architecture has it (GPT-2's configs: 0.1 on the residual stream, the
+embeddings and the attention probabilities; Llama-family models train without) keeps a
+mask per element it touches: one byte on CUDA (``native_dropout``), a noise tensor of
+the activation dtype on CPU (torch's ``_dropout_impl``: ``input * noise``). Attention
+dropout keeps flash on CUDA (its kernel draws the mask from a saved seed), but on CPU,
+whose flash kernel has no dropout, ``scaled_dot_product_attention`` takes its math path:
+q, k and v scaled or copied in fp32 (``12·q`` bytes), the fp32 probabilities, noise and
+dropped probabilities (``12·a·s``) and the output copied for the output projection
+(``b·q``); without flash, transformers' eager path adds the mask and the dropped
+probabilities (``a·s·(m + b)``). Measured on CPU with the profiler for every family at
+two sequence lengths and two micro-batches, fp32 and bf16, flash and eager, in
+``tests/test_plan_activations.py`` (within 2 %); GPT-2 with dropout in a profiled
+``zeroshard train --hf-model`` run (``tests/test_plan_peak.py``).
 
 Checkpointing (``Workload.checkpoint_every`` k; torchtitan's per-layer selective
 activation checkpointing, ``selective_ac_option = k``): every k-th block keeps only its
@@ -66,11 +75,16 @@ def _norm(arch: Architecture, b: int, width: int, groups: int = 1) -> int:
     return (4 + b) * width + 4 * groups
 
 
+def _mask(b: int, cpu: bool) -> int:
+    """Bytes per element a dropout keeps: CUDA's bool mask, CPU's noise in dtype b."""
+    return b if cpu else 1
+
+
 def block_parts(arch: Architecture, b: int, seq: int, flash: bool,
-                batch: int = 2) -> tuple[int, int]:
+                batch: int = 2, cpu: bool = False) -> tuple[int, int]:
     """(replicated, split) bytes per token of one block of ``batch`` sequences: the
     norms and the block input, which tensor parallelism replicates, and attention and
-    MLP, which it splits."""
+    MLP, which it splits; ``cpu``: dropout as it runs on CPU."""
     h, f, q, kv, a = arch.hidden, arch.ffn, arch.q_width, arch.kv_width, arch.heads
     fam = arch.family
     if fam == "gpt":  # the block input and the residual before ln2: two LayerNorm inputs
@@ -83,7 +97,11 @@ def block_parts(arch: Architecture, b: int, seq: int, flash: bool,
         norms = 2 * (_norm(arch, b, h) + b * h)
     if arch.qk_norm:
         norms += _norm(arch, b, q, a) + _norm(arch, b, kv, arch.kv_heads or a)
-    if flash:
+    if arch.dropout:  # after the attention's and the MLP's output projections
+        norms += 2 * _mask(b, cpu) * h
+    if arch.attention_dropout and flash and cpu:  # the math path (module docstring)
+        attn = 12 * q + 12 * a * seq + b * q
+    elif flash:
         lse = 4 * a
         if fam == "gpt":
             attn = 3 * b * q + b * q + lse  # the fused qkv storage; the output
@@ -95,6 +113,8 @@ def block_parts(arch: Architecture, b: int, seq: int, flash: bool,
         probs = a * seq * (b if fam == "gpt" else _eager_softmax(b))
         if fam == "gemma2":
             probs += a * seq * b  # the soft-cap's tanh
+        if arch.attention_dropout:
+            probs += a * seq * (_mask(b, cpu) + b)
         attn = 4 * b * q + probs
         if fam == "neox" and batch == 1:  # v stays a view of the fused qkv output
             attn += 2 * b * q
@@ -110,13 +130,19 @@ def loss_bytes(arch: Architecture) -> int:
     return 4 * arch.vocab + INDEX_BYTES
 
 
-def head_bytes(arch: Architecture, b: int) -> int:
+def head_bytes(arch: Architecture, b: int, cpu: bool = False) -> int:
     """Bytes per token of the final norm, the output layer and the loss, and the
-    embedding's input ids."""
+    embedding's input ids (and its dropout's mask)."""
     h, v = arch.hidden, arch.vocab
     norm = _norm(arch, b, h) + b * h + (b * h if arch.norm_bias else 0)
     softcap = b * v if arch.family == "gemma2" else 0
-    return norm + softcap + loss_bytes(arch) + INDEX_BYTES
+    return norm + softcap + loss_bytes(arch) + _embedding_bytes(arch, b, cpu)
+
+
+def _embedding_bytes(arch: Architecture, b: int, cpu: bool) -> int:
+    """Bytes per token the embedding keeps to the end of backward: the input ids and
+    its dropout's mask."""
+    return INDEX_BYTES + (_mask(b, cpu) * arch.hidden if arch.embedding_dropout else 0)
 
 
 def loss_backward_bytes(arch: Architecture) -> int:
@@ -150,14 +176,14 @@ class Saved:
 
 
 def family_saved(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
-                 checkpoint_every: int | None, tp: int = 1) -> Saved:
+                 checkpoint_every: int | None, tp: int = 1, cpu: bool = False) -> Saved:
     """The :class:`Saved` bytes of a micro-batch of ``tokens`` tokens (sequences of
     ``seq``): every block, or with checkpointing every k-th block's input and one
-    recomputed block, and the output layer and loss."""
-    replicated, split = block_parts(arch, b, seq, flash, tokens // seq)
+    recomputed block, and the output layer and loss; ``cpu``: dropout as on CPU."""
+    replicated, split = block_parts(arch, b, seq, flash, tokens // seq, cpu)
     block = tokens * replicated + -(-tokens * split // tp)
-    head = tokens * head_bytes(arch, b)
-    kept = tokens * INDEX_BYTES
+    head = tokens * head_bytes(arch, b, cpu)
+    kept = tokens * _embedding_bytes(arch, b, cpu)
     if checkpoint_every is None:
         return Saved(arch.layers * block, 0, head, kept)
     ckpt = arch.layers // checkpoint_every

@@ -72,6 +72,13 @@ class Architecture:
     gelu_tanh_unfused: bool = False
     """GPT-2's ``gelu_new``: the tanh GELU written as separate operations, three more
     MLP-wide tensors saved than a fused GELU."""
+    dropout: float = 0.0
+    """Dropout on the residual stream after attention and after the MLP (GPT-2's
+    ``resid_pdrop``); it keeps a mask per element in training."""
+    embedding_dropout: float = 0.0
+    """Dropout on the embeddings' output (GPT-2's ``embd_pdrop``)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (GPT-2's ``attn_pdrop``)."""
 
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "ffn", "vocab", "norms"):
@@ -87,6 +94,10 @@ class Architecture:
                 f"{self.name}: hidden={self.hidden} is not divisible by heads={self.heads}; "
                 "give head_dim explicitly"
             )
+        for field in ("dropout", "embedding_dropout", "attention_dropout"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{self.name}: {field}={value!r} must be in [0, 1)")
         if self.max_positions < 0:
             raise ValueError(f"{self.name}: max_positions={self.max_positions} must be >= 0")
         if self.family not in FAMILIES:

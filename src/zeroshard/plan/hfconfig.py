@@ -9,7 +9,9 @@ defaults, so the parameter count is the one transformers builds (checked in
 - qwen2: q, k and v always carry biases (the config has no flag for it), o does not;
 - qwen3: per-head RMSNorms on q and k, ``head_dim`` 128 unless given, ``attention_bias``;
 - gemma2: four norms per block, ``head_dim`` 256 unless given, the head tied by default;
-- gpt2: every projection biased, learned positions, the head tied by default;
+- gpt2: every projection biased, learned positions, the head tied by default, dropout
+  on the residual stream, the embeddings and the attention probabilities (0.1 each
+  unless given);
 - gpt_neox: every projection biased, LayerNorm, parallel residual.
 """
 
@@ -84,6 +86,9 @@ def from_hf_config(path: str | Path) -> Architecture:
             linear_bias=True,
             family="gpt",
             gelu_tanh_unfused=config.get("activation_function", "gelu_new") == "gelu_new",
+            dropout=_field(config, path, "resid_pdrop", default=0.1),
+            embedding_dropout=_field(config, path, "embd_pdrop", default=0.1),
+            attention_dropout=_field(config, path, "attn_pdrop", default=0.1),
         )
     if kind == "gpt_neox":
         return Architecture(

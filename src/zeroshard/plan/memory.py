@@ -94,6 +94,9 @@ class Workload:
     checkpoint_every: int = 1
     """With checkpointing: every k-th block is checkpointed, the others keep everything
     (torchtitan's per-layer selective checkpointing); 1 is full checkpointing."""
+    cpu: bool = False
+    """The step runs on CPU: dropout keeps noise of the activation dtype, and attention
+    with dropout takes the math path (``plan/activations.py``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens <= 0:
@@ -121,7 +124,8 @@ def activation_saved(model: ModelSpec, recipe: Recipe, work: Workload,
     b, seq = recipe.activation_bytes, work.seq_len or work.tokens
     every = work.checkpoint_every if work.checkpointing else None
     if model.arch is not None:
-        return family_saved(model.arch, b, work.tokens, seq, work.flash_attention, every, tp)
+        return family_saved(model.arch, b, work.tokens, seq, work.flash_attention, every, tp,
+                            work.cpu)
     if every not in (None, 1):
         raise NotImplementedError("checkpointing every k-th block needs the architecture "
                                   "(a preset, --hf-config or dimensions)")

@@ -225,7 +225,7 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     acts = saved.peak if saved else 0
     head = loss = unseen = 0
     if model.arch is not None and acts:
-        head = work.tokens * head_bytes(model.arch, recipe.activation_bytes)
+        head = work.tokens * head_bytes(model.arch, recipe.activation_bytes, work.cpu)
         loss = work.tokens * loss_backward_bytes(model.arch)
         unseen = work.tokens * loss_bytes(model.arch) if loss_outside else 0
     root, block = unit_params(model, blocks_per_unit, tp)

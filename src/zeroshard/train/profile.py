@@ -30,8 +30,10 @@ def predicted(model, arch, tokens: int, seq_len: int,
     recipe, world = model.zero_config.recipe, model.comm.dp_world
     if not isinstance(arch, Architecture):
         arch = gpt_architecture(arch)
-    work = Workload(tokens, seq_len, checkpointing=False, flash_attention=True)
-    impl = "foreach" if model.units[0].device.type == "cuda" else "for-loop"  # torch's pick
+    device = model.units[0].device.type
+    work = Workload(tokens, seq_len, checkpointing=False, flash_attention=True,
+                    cpu=device == "cpu")
+    impl = "foreach" if device == "cuda" else "for-loop"  # torch's pick
     p = peak(ModelSpec.from_arch(arch), recipe, work, world, model.stage,
              model.zero_config.prefetch, optimizer_impl=impl,
              shard_group=model.comm.shard_world, loss_outside=loss_outside)
