@@ -1,0 +1,92 @@
+"""DeepSpeed's config, read into ``ZeroConfig``'s fields: the keys the engine honours,
+the sections it reads, and the one warning that names every other key."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+
+from ..offload.options import deepspeed_offload
+from .scaler import SCALER_KEYS  # DeepSpeed's fp16 keys zs.GradScaler reads, not the engine
+
+#: The DeepSpeed keys the engine honours -> the ZeroConfig field each sets (the trainer
+#: honours a few more: ``zeroshard.train.config``).
+DEEPSPEED_KEYS = {
+    "zero_optimization.stage": "stage",
+    "bf16.enabled": "mixed_precision",
+    "fp16.enabled": "mixed_precision",  # the scaler's: zs.GradScaler.from_deepspeed
+    "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
+    "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
+    "zero_optimization.mics_shard_size": "shard_group",
+    "zero_optimization.zero_hpz_partition_size": "secondary_group",
+    "zero_optimization.zero_quantized_weights": "quantize_weights",
+    "zero_optimization.zero_quantized_gradients": "quantize_grads",
+    "zero_optimization.sub_group_size": "sub_group_size",
+}
+#: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by
+#: ``offload.options.deepspeed_offload`` into ``offload`` and ``offload_dir``.
+_OFFLOAD_KEYS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
+_DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
+
+
+def is_deepspeed(d: dict) -> bool:
+    """Whether a config dict is DeepSpeed's (it has one of the sections the engine reads)."""
+    return any(s in d for s in _DEEPSPEED_SECTIONS)
+
+
+def translate(d: dict, handled: Iterable[str], make: Callable):
+    """``make(**fields)`` (ZeroConfig) with the fields read from DeepSpeed's config ``d``; a
+    bad value's error names its DeepSpeed key."""
+    sections = {}
+    for name in _DEEPSPEED_SECTIONS:
+        sections[name] = d.get(name, {})
+        if not isinstance(sections[name], dict):
+            raise ValueError(f"{name}={sections[name]!r} must be a JSON object")
+    handled = set(handled) | set(_OFFLOAD_KEYS)
+    ignored = sorted(
+        [f"{s}.{k}" for s in _DEEPSPEED_SECTIONS for k in sections[s]
+         if f"{s}.{k}" not in DEEPSPEED_KEYS and f"{s}.{k}" not in handled]
+        + [k for k in d if k not in _DEEPSPEED_SECTIONS and k not in handled])
+    scaler = [k for k in ignored if k.startswith("fp16.") and k[5:] in SCALER_KEYS
+              and sections["fp16"].get("enabled") is True]
+    ignored = [k for k in ignored if k not in scaler]
+    if ignored:
+        warnings.warn(f"DeepSpeed config keys ignored by zeroshard: {', '.join(ignored)}",
+                      stacklevel=4)
+    if scaler:  # the loss scaler is an object of its own, as torch's GradScaler is
+        warnings.warn(f"DeepSpeed config keys {', '.join(scaler)} are the loss scaler's: "
+                      "pass the config to zs.GradScaler.from_deepspeed(model, config)",
+                      stacklevel=4)
+    kwargs = {"stage": 0, **deepspeed_offload(sections["zero_optimization"])}
+    for key, name in DEEPSPEED_KEYS.items():
+        section, _, leaf = key.partition(".")
+        if leaf in sections[section] and name != "mixed_precision":
+            kwargs[name] = sections[section][leaf]
+    enabled = {}
+    for half in ("bf16", "fp16"):
+        enabled[half] = sections[half].get("enabled", False)
+        if not isinstance(enabled[half], bool):
+            raise ValueError(f"{half}.enabled={enabled[half]!r} must be true or false")
+    if enabled["bf16"] and enabled["fp16"]:
+        raise ValueError("bf16.enabled and fp16.enabled are both true; enable one")
+    kwargs["mixed_precision"] = next((h for h in ("bf16", "fp16") if enabled[h]), None)
+    for name in ("param_persistence_threshold", "prefetch_bucket_size",
+                 "reduce_bucket_size", "sub_group_size"):  # sizes written as 5e8
+        v = kwargs.get(name)
+        if isinstance(v, float) and v.is_integer():
+            kwargs[name] = int(v)
+    if kwargs.get("shard_group") == -1:  # DeepSpeed's default: MiCS off
+        del kwargs["shard_group"]
+    if kwargs.get("secondary_group") == 1:  # DeepSpeed's default: hpZ off
+        del kwargs["secondary_group"]
+    try:
+        return make(**kwargs)
+    except ValueError as exc:  # name the DeepSpeed key the value came from
+        message = str(exc).replace("offload_dir=",
+                                   "zero_optimization.offload_optimizer.nvme_path=", 1)
+        for key, name in DEEPSPEED_KEYS.items():
+            if message.startswith(f"{name}="):
+                message = key + message[len(name):]
+                break
+        raise ValueError(message) from None
