@@ -51,4 +51,4 @@ def test_failure_reports_the_rank_traceback():
 
 def test_timeout_instead_of_hang():
     with pytest.raises(RankFailure, match="did not finish within"):
-        spawn(_hang, 2, timeout=8)
+        spawn(_hang, 2, timeout=4)
