@@ -5,6 +5,7 @@ step leaves the weights untouched on every rank; fp16 without a scaler is an err
 the first step."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -169,6 +170,15 @@ def test_deepspeed_scale_sequences_are_deepspeeds_own(monkeypatch):
             ds.update_scale(s in OVERFLOW)
             scales.append(ds.cur_scale)
         assert scales == DEEPSPEED_SCALES[name]
+
+
+def test_deepspeed_fp16_block_from_a_file_names_unknown_keys(tmp_path, recwarn):
+    path = tmp_path / "ds.json"
+    path.write_text('{"fp16": {"enabled": true, "hysteresis": 3, "auto_cast": false}}')
+    scaler = zs.GradScaler.from_deepspeed(SimpleNamespace(), str(path))
+    assert (scaler.get_scale(), scaler.hysteresis) == (2.0 ** 16, 3)  # DeepSpeed's default power
+    assert [str(w.message) for w in recwarn.list] == [
+        "DeepSpeed fp16 keys ignored by zeroshard: auto_cast"]
 
 
 def test_deepspeed_fp16_block_is_checked():

@@ -174,9 +174,10 @@ class GradScaler:
     def from_deepspeed(cls, model, config) -> GradScaler:
         """A scaler from a DeepSpeed config (a dict or a JSON file path) whose ``fp16``
         block is enabled, with DeepSpeed's defaults for absent keys and its update rule."""
+        if not isinstance(config, dict):
+            config = read_json_object(config, "config")
         got = cls.deepspeed_settings(config)
-        block = config["fp16"] if isinstance(config, dict) else {}
-        unknown = sorted(set(block) - set(_DEEPSPEED_FP16) - {"enabled"})
+        unknown = sorted(set(config["fp16"]) - set(_DEEPSPEED_FP16) - {"enabled"})
         if unknown:
             warnings.warn(f"DeepSpeed fp16 keys ignored by zeroshard: {', '.join(unknown)}",
                           stacklevel=2)
