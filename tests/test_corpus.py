@@ -271,6 +271,9 @@ def test_bad_inputs_each_give_one_line(tmp_path, model_dir):
     big.tofile(tmp_path / "big.bin")
     _fails(r"token file '.*big.bin' holds id 70,000, outside the vocabulary of 400 ",
            tmp_path / "big.bin", model_dir, tmp_path, token_dtype="uint32")
+    (np.arange(1, 200, dtype=np.uint32) % 400).tofile(tmp_path / "wide.bin")  # fits uint16
+    _fails(r"token file '.*wide.bin' reads as uint16 ids with every second one 0: it holds "
+           r"uint32 ids", tmp_path / "wide.bin", model_dir, tmp_path)
     (tmp_path / "odd.bin").write_bytes(b"\1\0\2")
     _fails(r"token file '.*odd.bin' has 3 bytes, not a multiple of 2 \(uint16\)",
            tmp_path / "odd.bin", model_dir, tmp_path)

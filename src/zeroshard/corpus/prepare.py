@@ -26,7 +26,14 @@ import numpy as np
 from .cache import cache_key, cache_root, progress_bar, publish, read_entry, tokenize_to
 from .errors import DataError
 from .sources import Source, find_sources
-from .tokenfile import check_vocabulary, choose_dtype, largest_id, nearest_boundary, open_tokens
+from .tokenfile import (
+    check_vocabulary,
+    check_width,
+    choose_dtype,
+    largest_id,
+    nearest_boundary,
+    open_tokens,
+)
 from .tokenizer import Tokenizer, load_tokenizer
 
 SPLITS = ("train", "val")
@@ -153,6 +160,8 @@ def _token_files(path, sources, boundary, fraction, root, vocab, dtype, progress
     if named:
         sources = (by_name["train.bin"], by_name["val.bin"])
     maps = [open_tokens(s.path, dtype) for s in sources]
+    for s, m in zip(sources, maps):
+        check_width(s.path, m)
     key = cache_key("tokens", sources, dtype)
     meta = read_entry(root, key)
     if meta is None:

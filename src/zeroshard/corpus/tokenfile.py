@@ -55,6 +55,17 @@ def largest_id(ids: np.ndarray, advance: Callable[[int], None] | None = None) ->
     return largest
 
 
+def check_width(path: str | Path, ids: np.ndarray) -> None:
+    """Refuse uint32 ids read as uint16: little-endian, each id below 65,536 leaves every
+    second uint16 zero, and every value passes the vocabulary check, so the model would
+    train on the ids interleaved with zeros. Judged on the first 65,536 values."""
+    head = np.asarray(ids[:1 << 16])
+    if ids.dtype == np.uint16 and len(head) >= 64 and not head[1::2].any() and head.any():
+        raise DataError(f"token file {str(path)!r} reads as uint16 ids with every second one "
+                        "0: it holds uint32 ids; write it as uint16 (nanoGPT's layout), as "
+                        "this vocabulary fits")
+
+
 def check_vocabulary(path: str | Path, largest: int, vocab: int) -> None:
     if largest >= vocab:
         raise DataError(f"token file {str(path)!r} holds id {largest:,}, outside the "
