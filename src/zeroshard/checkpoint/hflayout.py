@@ -89,14 +89,17 @@ def load_hf_weights(model, path: str | Path) -> None:
                 raise ValueError(f"{path}: no tensor {e.name!r} in the weights for the model's "
                                  f"parameter ({why})")
             file = wmap[names[e.name]]
-            f = handles.setdefault(file, TensorFile(str(file)))
+            f = handles[file] = handles.get(file) or TensorFile(str(file))  # a header once
             if f.shape(names[e.name]) != e.shape:
                 raise ValueError(f"{file}: {names[e.name]!r} has shape "
                                  f"{f.shape(names[e.name])}, the model {e.shape} (config.json "
                                  "and the weights disagree)")
             plan.append((e, f, names[e.name]))
-        buffers = [(buf, handles.setdefault(wmap[names[n]], TensorFile(str(wmap[names[n]]))),
-                    names[n]) for n, buf in model.module.named_buffers() if n in names]
+        for n, _ in model.module.named_buffers():
+            if n in names and wmap[names[n]] not in handles:
+                handles[wmap[names[n]]] = TensorFile(str(wmap[names[n]]))
+        buffers = [(buf, handles[wmap[names[n]]], names[n])
+                   for n, buf in model.module.named_buffers() if n in names]
     except ValueError as exc:
         problem = str(exc)
     except OSError as exc:  # a file the index names is unreadable

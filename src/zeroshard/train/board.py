@@ -36,7 +36,8 @@ class Board:
             check(folder_path)
             from torch.utils.tensorboard import SummaryWriter
 
-            # a resumed run replaces what a stopped one wrote after its checkpoint
+            # a resumed run replaces what a stopped one wrote from its checkpoint's step on
+            # (start() writes that step's evaluation again)
             self.writer = SummaryWriter(folder_path, purge_step=purge_step)
 
     def start(self, val_loss: float, step: int) -> None:

@@ -35,6 +35,15 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def _saved_config(cfg: TrainConfig) -> dict:
+    """The settings a checkpoint keeps, the model folder as an absolute path: ``zeroshard
+    export`` copies its config and tokenizer from wherever it is run."""
+    d = cfg.to_dict()
+    if cfg.hf_model:
+        d["hf_model"] = str(Path(cfg.hf_model).expanduser().resolve())
+    return d
+
+
 def _global_mean(value: torch.Tensor, world: int) -> float:
     """The mean over ranks of a scalar (a reporting collective, outside the ledger)."""
     t = value.detach().double().reshape(1)
@@ -148,7 +157,7 @@ def train(cfg: TrainConfig) -> dict:
         out.note(f"resumed from {ckpt} (step {start}): weights, optimizer state, schedule")
     first_eval = evaluate(model, source, corpus, cfg, "val", rank, world, seq_len)
     out.start(first_eval, start)
-    board = Board(cfg.tensorboard, rank == 0, purge_step=start + 1 if start else None)
+    board = Board(cfg.tensorboard, rank == 0, purge_step=start if start else None)
     board.start(first_eval, start)
     board.watch(model, optimizer)
     tokens_per_step = cfg.batch * seq_len
@@ -219,7 +228,7 @@ def train(cfg: TrainConfig) -> dict:
                                  or step + 1 == cfg.steps):
                 _save(model, optimizer, cfg, step + 1,
                       {"step": step + 1, "scheduler": scheduler.state_dict(),
-                       "config": cfg.to_dict(),
+                       "config": _saved_config(cfg),
                        **({"loss_scaler": scaler.state_dict()} if scaler.enabled else {})},
                       out)
                 model.comm_stats(reset=True)

@@ -66,7 +66,7 @@ def init_from(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> N
         found, opened = {}, {}
         for name in shapes:
             if name in wmap:
-                f = opened.setdefault(wmap[name], TensorFile(str(wmap[name])))
+                f = opened[wmap[name]] = opened.get(wmap[name]) or TensorFile(str(wmap[name]))
                 found[name] = f.shape(name)
     except OSError as exc:  # a shard the index names is missing or unreadable
         raise ValueError(f"init_from={cfg.init_from!r}: {exc.filename or cfg.init_from} "
