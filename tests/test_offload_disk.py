@@ -148,6 +148,10 @@ def _grid(root, full):
         _train(net, opt, sched, 1, start=1)
     except Exception as exc:  # noqa: BLE001 - the message is what is tested
         out["filled"] = f"{type(exc).__name__}: {exc}"
+    try:  # the files went with the failure: a step again is refused, not run on stale fds
+        _train(net, opt, sched, 1, start=2)
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        out["again"] = f"{type(exc).__name__}: {exc}"
     for fd in full_fds:
         os.close(fd)
     del net, opt, sched
@@ -287,6 +291,8 @@ def test_a_disk_full_in_a_step_stops_the_run(ranks):
         assert ("is full: writing optimizer state to" in r["filled"]
                 and "(No space left on device)" in r["filled"] and "\n" not in r["filled"])
         assert cases.bit_equal(r["after"], r["before"])
+        assert r["again"].startswith("OffloadDiskError: offload_dir: ") and \
+            "was removed after a step failed on it" in r["again"], r["again"]
 
 
 @pytest.mark.parametrize("options,message", [

@@ -63,7 +63,7 @@ def io_error(exc: OSError, path: str, what: str) -> OffloadDiskError:
 def scratch_folder(offload_dir: str, comm) -> str:
     """The folder this model's files go in on this rank (one per ``Collectives``)."""
     folder = _FOLDERS.get(comm)
-    if folder is None:
+    if folder is None or not os.path.isdir(folder):  # none yet, or removed once emptied
         try:
             folder = tempfile.mkdtemp(prefix=f"zeroshard-offload-rank{comm.dp_rank}-",
                                       dir=offload_dir)
@@ -108,6 +108,10 @@ class UnitFile:
         """The three planes as tensors over the file (see the module's note)."""
 
     def _io(self, offset: int, view: memoryview, write: bool, what: str) -> None:
+        if not self.remove.alive:  # its descriptor is closed and may name another file now
+            raise OffloadDiskError(f"offload_dir: {self.path} was removed after a step failed "
+                                   "on it; this model cannot step again: resume from the "
+                                   "last checkpoint")
         done = 0
         while done < len(view):
             part = view[done:done + _CHUNK]

@@ -121,7 +121,7 @@ class DiskStep:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
     # -- state -----------------------------------------------------------------------
-    def _adopt_state(self, optimizer) -> None:
+    def _adopt_state(self, optimizer, owned: dict) -> None:
         """Make the optimizer's state for every disk shard point into the files: state
         it holds in memory (loaded from a checkpoint or a state dict) is written there
         first; a shard stepped for the first time starts from zero moments."""
@@ -131,6 +131,8 @@ class DiskStep:
             v_views = u.g_layout.shard_views(u.disk.planes[2], u.rank)
             for j, i in enumerate(u.trainable):
                 shard, start = u.shards[i], u.g_layout.slots[j].offset
+                if id(shard) not in owned:  # another optimizer's parameter
+                    continue
                 state = optimizer.state.get(shard)
                 if not state:
                     if shard.grad is None:
@@ -168,20 +170,21 @@ class DiskStep:
         if any(u.shards[i].grad is not None for u in self.units for i in u.trainable):
             for u in self.units:
                 u.disk.drop_mapped()
-            self._adopt_state(optimizer)
+            self._adopt_state(optimizer, group_of)
         for u in self.units:
             for j, i in enumerate(u.trainable):
                 shard = u.shards[i]
-                if shard.grad is not None:
+                if shard.grad is not None and id(shard) in group_of:
                     active[(u.index, j)] = (group_of[id(shard)], optimizer.state[shard]["step"],
                                             shard.grad.reshape(-1), _destination(u, i))
         if active:
             # t <- t + 1 once per parameter, as the fused AdamW does, before any segment
             torch._foreach_add_([a[1] for a in active.values()], 1)
             self._stream(active)
-        for u in self.units:
+        for u in self.units:  # this optimizer's: its own step() then finds nothing to do
             for i in u.trainable:
-                u.shards[i].grad = None
+                if id(u.shards[i]) in group_of:
+                    u.shards[i].grad = None
 
     def _stream(self, active: dict) -> None:
         groups = self.groups
@@ -205,7 +208,7 @@ class DiskStep:
                 reads.pop(k).result()
                 self._step_group(group, self.buffers[k % nbuf], active)
                 writes[k] = self._pool.submit(self._io, group, self.buffers[k % nbuf], True)
-        except OffloadDiskError as exc:
+        except BaseException as exc:  # a disk error, or anything that stops a half-done step
             failure = exc
         finally:  # no thread may still use a buffer when this returns or raises
             for f in [*reads.values(), *writes.values()]:
