@@ -22,7 +22,7 @@ def _rank(numel: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zeroshard.runtime.collectives import Collectives
+    from zeroshard.runtime.comm.collectives import Collectives
     from zeroshard.runtime.ledger import Ledger
 
     n, r = dist.get_world_size(), dist.get_rank()

@@ -37,7 +37,7 @@ def _rank(folder: str, trainer: bool) -> dict:
     import torch
 
     import zeroshard as zs
-    from zeroshard.runtime.config import ZeroConfig
+    from zeroshard.spec.config import ZeroConfig
     from zeroshard.train.config import TrainConfig
     from zeroshard.train.hfmodel import HFCausalLM
 

@@ -492,10 +492,10 @@ def misuse_grid():
 
 def collectives_grid():
     """The engine's reduce-scatter and all-gather (on gloo: an all-reduce in place and
-    N broadcasts, ``runtime/collectives.py``) against torch's own, bit for bit, over the
+    N broadcasts, ``runtime/comm/collectives.py``) against torch's own, bit for bit, over the
     whole world and over two halves of it; then stages 0-3 trained over the halves."""
     from zeroshard.runtime import collectives
-    from zeroshard.runtime.collectives import Collectives
+    from zeroshard.runtime.comm.collectives import Collectives
     from zeroshard.runtime.ledger import Ledger
 
     rank, world = dist.get_rank(), dist.get_world_size()

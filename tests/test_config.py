@@ -6,7 +6,7 @@ import re
 import pytest
 
 import zeroshard as zs
-from zeroshard.runtime.config import ZeroConfig
+from zeroshard.spec.config import ZeroConfig
 
 from .engine_cases import MLP
 

@@ -5,8 +5,8 @@ error on every rank, never a hang, and so are models that differ between ranks."
 
 import pytest
 
-from zeroshard.runtime.cycle import CycleState, StepCycle
 from zeroshard.runtime.spawn import spawn
+from zeroshard.runtime.step.cycle import CycleState, StepCycle
 
 from . import engine_cases as cases
 

@@ -62,7 +62,7 @@ def test_stages_agree_on_cuda(precision):
 
 
 def _trainer():
-    from zeroshard.runtime.config import ZeroConfig
+    from zeroshard.spec.config import ZeroConfig
     from zeroshard.train.config import TrainConfig
     from zeroshard.train.loop import train
 

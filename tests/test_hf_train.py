@@ -122,7 +122,7 @@ def _sharded_logits(runs: dict, folders: dict) -> tuple[dict, dict]:
     """Each run's last checkpoint loaded into the trainer's sharded model (stage 3, this
     N), and each of ``folders`` read by it, each rank its rows; their logits on PROBE."""
     from zeroshard.checkpoint import load
-    from zeroshard.runtime.config import ZeroConfig
+    from zeroshard.spec.config import ZeroConfig
     from zeroshard.train.config import TrainConfig
     from zeroshard.train.hfmodel import HFCausalLM
 

@@ -285,7 +285,7 @@ def test_hpz_needs_stage_3_and_a_divisor():
     with pytest.raises(ValueError, match=r"secondary_group=2 \(hpZ\) keeps gathered weights "
                                          r"between forward and backward, which only stage 3"):
         zs.ZeroConfig(stage=2, secondary_group=2)
-    from zeroshard.runtime.groups import secondary_size
+    from zeroshard.runtime.mesh import secondary_size
 
     with pytest.raises(ValueError, match=r"secondary_group=3 does not divide the shard "
                                          r"group's 4 ranks; expected one of \[1, 2, 4\]"):

@@ -4,8 +4,8 @@ the fp32 loss, and stage 0 bounds the fp32 reduction buffers it keeps in flight.
 
 import pytest
 
-from zeroshard.runtime.config import ZeroConfig
 from zeroshard.runtime.spawn import spawn
+from zeroshard.spec.config import ZeroConfig
 
 from . import engine_cases as cases
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import zeroshard as zs
-from zeroshard.runtime.nonfinite import NonFiniteGradients
 from zeroshard.runtime.spawn import spawn
+from zeroshard.runtime.step.nonfinite import NonFiniteGradients
 
 from . import engine_cases as cases
 

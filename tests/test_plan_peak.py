@@ -80,7 +80,7 @@ HF_GPT2 = ModelSpec.from_arch(Architecture(
     norm_bias=True, linear_bias=True, family="gpt"))
 GPT2_WORK = Workload(256, 64, checkpointing=False, flash_attention=True)
 #: the engine's recipes: zs.shard(mixed_precision=None or "bf16"), reducing in fp32 under
-#: a master (runtime/config.py)
+#: a master (spec/config.py)
 ENGINE_RECIPES = {"fp32": get_recipe("fp32-adamw"), "bf16": BF16.with_reduce_dtype("fp32")}
 #: (precision, stage) -> the profiler's total at ``step_begin`` of the second step, N = 2
 #: gloo ranks (bench/peak_prediction.py's run; no padding at N = 2): stage 1 holds its

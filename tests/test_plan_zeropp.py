@@ -269,7 +269,7 @@ def test_refusals_are_the_engines(stage, z, reduce):
 
 
 def test_a_secondary_group_that_does_not_divide_is_the_engines_refusal():
-    from zeroshard.runtime.groups import secondary_size
+    from zeroshard.runtime.mesh import secondary_size
 
     with pytest.raises(ValueError) as engine:
         secondary_size(3, 4)

@@ -14,17 +14,17 @@ from zeroshard._version import __version__
 _LAZY = {
     "init_distributed": "zeroshard.runtime.dist",
     "shard": "zeroshard.api",
-    "ShardedModel": "zeroshard.runtime.sharded",
-    "ZeroConfig": "zeroshard.runtime.config",
-    "init_weights": "zeroshard.runtime.materialize",
+    "ShardedModel": "zeroshard.runtime.model.sharded",
+    "ZeroConfig": "zeroshard.spec.config",
+    "init_weights": "zeroshard.runtime.build.materialize",
     "save": "zeroshard.checkpoint",
     "load": "zeroshard.checkpoint",
     "load_pretrained": "zeroshard.checkpoint",
-    "GradScaler": "zeroshard.runtime.scaler",
+    "GradScaler": "zeroshard.runtime.step.scaler",
     # the errors a run can meet on every rank alike (docs/faults.md)
-    "NonFiniteGradients": "zeroshard.runtime.nonfinite",
-    "RanksOutOfStep": "zeroshard.runtime.watch",
-    "CollectiveTimeout": "zeroshard.runtime.watch",
+    "NonFiniteGradients": "zeroshard.runtime.step.nonfinite",
+    "RanksOutOfStep": "zeroshard.runtime.comm.watch",
+    "CollectiveTimeout": "zeroshard.runtime.comm.watch",
     "SaveFailed": "zeroshard.checkpoint.sharded",
 }
 

@@ -11,8 +11,8 @@ import dataclasses
 
 import torch.nn as nn
 
-from .runtime.config import ZeroConfig
-from .runtime.sharded import ShardedModel
+from .runtime.model.sharded import ShardedModel
+from .spec.config import ZeroConfig
 
 
 def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None,

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..runtime.layout import dim0_chunk
+from ..runtime.unit.layout import dim0_chunk
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
 FORMAT = "zeroshard-checkpoint"
@@ -46,7 +46,7 @@ def _rows(shape) -> int:
 
 def own_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     """Rows [a, b) that rank r of ``world`` holds in a checkpoint: its dim-0 chunk, the
-    same arithmetic as the engine's shards (``runtime/layout.py``)."""
+    same arithmetic as the engine's shards (``runtime/unit/layout.py``)."""
     return dim0_chunk(rows, rank, world)
 
 

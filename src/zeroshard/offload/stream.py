@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..runtime.policy import AfterStep
+from ..spec.policy import AfterStep
 from .disk import OffloadDiskError
 from .host_adam import HostAdamW
 

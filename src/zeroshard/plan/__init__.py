@@ -10,6 +10,7 @@ Pure Python — importing this package never imports torch.
 [108.63, 37.88, 26.09, 14.3]
 """
 
+from ..spec.recipes import DEFAULT_RECIPE, DTYPE_BYTES, RECIPES, Recipe, get_recipe
 from .advice import MinGpus, first_fit, floor_bytes, min_gpus, offload_offer, why_none_fits
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hardware import (
@@ -42,7 +43,6 @@ from .memory import (
     stage_of,
 )
 from .offload import OFFLOADS, Placement, pcie_bytes, placed_bytes
-from .recipes import DEFAULT_RECIPE, DTYPE_BYTES, RECIPES, Recipe, get_recipe
 from .recommend import Recommendation, recommend
 from .steptime import Schedule, StepTime, step_time, step_times
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.recipes import Recipe
 from .arch import ModelSpec
 from .hardware import DEFAULT_HOST, HOSTS, Host
 from .memory import STRATEGIES, Workload, plan_strategy, stage_of
 from .offload import host_step_bytes, owned, pcie_bytes
-from .recipes import Recipe
 
 #: Largest GPU count :func:`min_gpus` searches.
 MAX_GPUS = 1 << 20

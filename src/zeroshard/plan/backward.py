@@ -1,4 +1,4 @@
-"""The backward pass unit by unit, as the engine runs it (``runtime/backward.py``): what
+"""The backward pass unit by unit, as the engine runs it (``runtime/schedule/backward.py``): what
 one GPU holds beside its weights and optimizer state at each moment after the loss's
 backward.
 
@@ -12,7 +12,7 @@ head) ends last, its embedding being the first thing the forward used. Block uni
 - **end**: its saved tensors are freed and its full gradients made: stage 1 keeps them
   to the step (``grads``), stages 0, 2 and 3 until they are packed;
 - **issued**: its gradients packed into a reduction buffer, N slots in the reduce dtype
-  and at stages 1-3 the 1/N output (``runtime/reduce.py``). The engine issues a
+  and at stages 1-3 the 1/N output (``runtime/schedule/reduce.py``). The engine issues a
   reduction and then lands the oldest while more than two are in flight
   (``_flush``): three buffers exist as the third is issued, two after. A landed
   reduction leaves a slot: stage 1's reduced slot in the gradient dtype (``buffers``
@@ -41,13 +41,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .recipes import Recipe
+from ..spec.formulas import ceil_div
+from ..spec.recipes import Recipe
 
 PHASES = ("begin", "end", "issued")
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -120,7 +118,7 @@ class BackwardPass:
     def _buffer(self, params: int) -> int:
         """A reduction in flight: N slots, and at stages 1-3 this rank's output."""
         rb = self.recipe.reduce_bytes
-        return params * rb + (_ceil_div(params, self.dp) * rb if self.stage else 0)
+        return params * rb + (ceil_div(params, self.dp) * rb if self.stage else 0)
 
     def _landed(self, params: int) -> int:
         """What a landed reduction leaves beyond the held gradients: with accumulation
@@ -129,7 +127,7 @@ class BackwardPass:
         if self.accumulating:
             return 0
         gb = self.recipe.grad_bytes
-        return params * gb if self.stage == 0 else _ceil_div(params, self.dp) * gb
+        return params * gb if self.stage == 0 else ceil_div(params, self.dp) * gb
 
     def _local(self, params: int) -> int:
         """Full gradients a unit's backward makes; at stages 0-1 with accumulation they
@@ -153,7 +151,7 @@ class BackwardPass:
     def _arriving(self, j: int) -> int:
         """Stage 3: gathers in flight during block unit j's backward."""
         wb = self.recipe.weight_bytes
-        one = self.unit * wb + (_ceil_div(self.unit, self.dp) * wb if self.params_offloaded
+        one = self.unit * wb + (ceil_div(self.unit, self.dp) * wb if self.params_offloaded
                                 else 0)
         return min(self.prefetch, self.units - j) * one
 

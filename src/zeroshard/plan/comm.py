@@ -13,7 +13,7 @@ level (``comm_bytes_by_level``): *inside* a group the stage's collectives over K
 reduced gradient shard, ``ring_all_reduce(r·P/K, R)`` (stage 0: the whole gradients,
 ``ring_all_reduce(r·P, R)``, after the all-reduce over K inside).
 
-[Note: hybrid sharding] in ``runtime/groups.py`` is the engine's side; its ledger
+[Note: hybrid sharding] in ``runtime/mesh.py`` is the engine's side; its ledger
 (``comm_stats(by_level=True)``) records the same two levels, plus one presence flag per
 parameter in each reduced slot, which the plan leaves out.
 
@@ -41,14 +41,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .recipes import Recipe
-
-#: Elements per quantization block (the engine's ``runtime/quantize.QUANT_BLOCK``).
-QUANT_BLOCK = 2048
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from ..spec.formulas import QUANT_BLOCK, ceil_div, quantized_nbytes, ring_all_reduce, ring_one_way
+from ..spec.recipes import Recipe
+from ..spec.rules import check_stage_options
 
 
 def dp_degree(gpus: int, tp: int = 1) -> int:
@@ -75,12 +70,6 @@ def shard_degree(gpus: int, tp: int = 1, shard_group: int | None = None) -> int:
                          f"expected one of {ok}")
     return k
 
-
-def quantized_nbytes(numel: int, block: int = QUANT_BLOCK) -> int:
-    """Bytes on the wire for a slot of ``numel`` elements quantized in blocks of
-    ``block``: one int8 each plus one fp32 scale per block, ``numel + 4⌈numel/block⌉``
-    (the engine's ``runtime/quantize.quantized_nbytes``)."""
-    return numel + 4 * _ceil_div(numel, block)
 
 
 @dataclass(frozen=True)
@@ -119,22 +108,11 @@ class ZeroPP:
 
     def check(self, stage: int, recipe: Recipe | None = None) -> None:
         """A ValueError when ``stage`` (or the recipe's explicit reduce dtype) cannot take
-        these options, with the engine's ``ZeroConfig`` message."""
-        k2 = self.secondary_group
-        if k2 is not None and stage != 3:
-            raise ValueError(f"secondary_group={k2} (hpZ) keeps gathered weights between "
-                             f"forward and backward, which only stage 3 releases; got "
-                             f"stage={stage}: use stage 3 or drop secondary_group")
-        if self.quantize_weights and stage != 3:
-            raise ValueError(f"quantize_weights (qwZ) quantizes stage 3's gathers of the "
-                             f"weights; got stage={stage}: use stage 3")
-        if self.quantize_grads and stage == 0:
-            raise ValueError("quantize_grads (qgZ) quantizes the gradients' reduce-scatter, "
-                             "which stage 0 does not do (it all-reduces); use stage 1-3")
-        if self.quantize_grads and recipe is not None and recipe.reduce_dtype is not None:
-            raise ValueError(f"quantize_grads sends the gradients as int8 and sums them in "
-                             f"fp32; reduce_dtype={recipe.reduce_dtype!r} asks for another "
-                             "reduction: drop one of the two")
+        these options: the engine's own rules (``spec/rules.py``)."""
+        check_stage_options(stage, secondary_group=self.secondary_group,
+                            quantize_weights=self.quantize_weights,
+                            quantize_grads=self.quantize_grads,
+                            reduce_dtype=recipe.reduce_dtype if recipe is not None else None)
 
     def at(self, stage: int) -> ZeroPP:
         """The most of these options ``stage`` takes (hpZ and qwZ stage 3, qgZ stages
@@ -166,7 +144,7 @@ def unit_slots(params: int, k: int, tp: int = 1, units: list[int] | None = None)
     """Each unit's slot on one rank of ``k``: ⌈U/(tp·k)⌉ elements (one unit of all
     ``params`` when ``units`` is not given)."""
     sizes = [params] if units is None else units
-    return [_ceil_div(_ceil_div(u, tp), k) for u in sizes]
+    return [ceil_div(ceil_div(u, tp), k) for u in sizes]
 
 
 def secondary_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
@@ -185,14 +163,6 @@ def secondary_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
     return [k // k2 * n * recipe.weight_bytes for n in unit_slots(params, k, tp, units)]
 
 
-def ring_all_reduce(t: int, n: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of t bytes: 2(N-1)/N·t."""
-    return _ceil_div(2 * (n - 1) * t, n)
-
-
-def ring_one_way(t: int, n: int) -> int:
-    """Bytes one rank sends in a ring reduce-scatter or all-gather of t bytes: (N-1)/N·t."""
-    return _ceil_div((n - 1) * t, n)
 
 
 def comm_bytes(params: int, gpus: int, recipe: Recipe, stage: int, tp: int = 1,
@@ -232,15 +202,15 @@ def comm_bytes_by_level(params: int, gpus: int, recipe: Recipe, stage: int,
     k = shard_degree(gpus, tp, shard_group)
     k2 = z.secondary(k)
     replicas = dp_degree(gpus, tp) // k
-    grads = _ceil_div(recipe.reduce_bytes * params, tp)
-    weights = _ceil_div(recipe.weight_bytes * params, tp)
+    grads = ceil_div(recipe.reduce_bytes * params, tp)
+    weights = ceil_div(recipe.weight_bytes * params, tp)
     if stage == 0:
         return {"inside": ring_all_reduce(grads, k), "across": ring_all_reduce(grads, replicas)}
     slots = unit_slots(params, k, tp, units) if z.active else []
     quantized = sum((k - 1) * quantized_nbytes(n, z.quant_block) for n in slots)
     reduce = quantized if z.quantize_grads else ring_one_way(grads, k)
     gather = quantized if z.quantize_weights else ring_one_way(weights, k)
-    levels = {"inside": reduce + gather, "across": ring_all_reduce(_ceil_div(grads, k), replicas)}
+    levels = {"inside": reduce + gather, "across": ring_all_reduce(ceil_div(grads, k), replicas)}
     if stage == 3 and k2 is None:  # ZeRO-3 gathers for forward and again for backward
         levels["inside"] += gather
     elif stage == 3:  # hpZ: the backward's, unquantized, over the secondary group

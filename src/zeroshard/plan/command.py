@@ -25,13 +25,13 @@ import json
 import sys
 
 from .._paths import output_file
+from ..spec.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from . import advice, render, timecmd
 from .arch import PRESETS, Architecture, ModelSpec, get_preset
 from .hfconfig import KINDS, from_hf_config
 from .memory import QUANT_BLOCK, STRATEGIES, Workload, ZeroPP, plan_all, shard_degree, stage_of
 from .offload import OFFLOADS, SUB_GROUP_SIZE, disk_io_bytes, pcie_bytes
 from .peak import peak
-from .recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 
 _DIM_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.formulas import GLOO_BROADCAST_MAX
+from ..spec.recipes import Recipe
 from .comm import ZeroPP
-from .hardware import GLOO_BROADCAST_MAX
-from .recipes import Recipe
 
 #: Bytes per element of ``runtime/quantize._quantize_rows`` (and ``_pack``) over an input
 #: of a bytes an element, its unfused torch ops one by one: the zeroed fp32 copy (4, then
@@ -30,9 +30,10 @@ def _cast(n: float, a: str, b: str, a_bytes: int, b_bytes: int) -> float:
 @dataclass(frozen=True)
 class CopyBytes:
     """Bytes (read + write) of the engine's memory-bound copies for one unit of Q
-    parameters over N ranks, per occurrence (``runtime/unit.py``, ``runtime/reduce.py``);
-    w, g, r, m: bytes per element of weights, gradients, reduce dtype, master. ``.to``
-    between equal dtypes copies nothing. Padding and the presence flags are left out."""
+    parameters over N ranks, per occurrence (``runtime/unit/unit.py``,
+    ``runtime/schedule/reduce.py``); w, g, r, m: bytes per element of weights,
+    gradients, reduce dtype, master. ``.to`` between equal dtypes copies nothing.
+    Padding and the presence flags are left out."""
 
     pack: float
     """Each backward, ``issue_reduce``: ``_chunk_cat`` reads the local gradients and

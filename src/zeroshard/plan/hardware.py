@@ -100,12 +100,6 @@ class Link:
             raise ValueError(f"{self.name}: latency={self.latency!r} must be a number >= 0")
 
 
-#: The most ranks at which the engine runs an all-gather on gloo as broadcasts in place
-#: (``runtime/collectives.py``); above, torch's gloo all-gather, which stages the
-#: output through a flat copy.
-GLOO_BROADCAST_MAX = 4
-
-
 @dataclass(frozen=True)
 class Network:
     """Two levels: GPUs of one node share ``intra``; nodes talk over ``inter``."""
@@ -125,7 +119,7 @@ class Network:
     all-reduce in place (twice the ring bytes; its slot is divided on the way out) and an
     all-gather as N broadcasts in place (the shard copied into its slot first; above
     ``GLOO_BROADCAST_MAX`` ranks torch's all-gather, its output copied out of a flat
-    buffer); see ``runtime/collectives.py``."""
+    buffer); see ``runtime/comm/collectives.py``."""
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..spec.formulas import ceil_div
+from ..spec.recipes import Recipe
 from .activations import Saved, family_saved, korthikanti_saved
 from .arch import ModelSpec
 from .comm import (  # noqa: F401 - re-exported: the planner's communication model
@@ -66,16 +68,12 @@ from .comm import (  # noqa: F401 - re-exported: the planner's communication mod
     secondary_bytes,
     shard_degree,
 )
-from .recipes import Recipe
 
 if TYPE_CHECKING:
     from .offload import Placement
 
 STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -254,8 +252,8 @@ def model_state_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
     k = shard_degree(gpus, tp, shard_group)
 
     def part(bytes_per_param: int, sharded: bool) -> int:
-        total = _ceil_div(bytes_per_param * params, tp)
-        return _ceil_div(total, k) if sharded else total
+        total = ceil_div(bytes_per_param * params, tp)
+        return ceil_div(total, k) if sharded else total
 
     return (
         part(recipe.weight_bytes, stage >= 3),

@@ -17,11 +17,11 @@ master in the recipe), S the optimizer states' bytes per element:
 
 ``buffers`` are stage 1's reduced slot ``g·n``, always on the device, and the fp32 copy
 of the owned gradients ``m·n`` for the step: on the device when g ≠ m without offload,
-on the host always when offloaded (``runtime/unitview.py``: ``memory`` and
+on the host always when offloaded (``runtime/unit/view.py``: ``memory`` and
 ``host_bytes``; the engine's ``grad_shard``, ``step_grads`` and ``host_grads``). A
 node's host memory must hold its GPUs' host bytes: ``host × gpus_per_node``.
 
-**PCIe per step** (per GPU, one direction each; ``runtime/unit.py``): every synchronised
+**PCIe per step** (per GPU, one direction each; ``runtime/unit/unit.py``): every synchronised
 backward copies each reduced slot to the host as it lands, in the master dtype (cast on
 the device first: CUDA converts before it copies across), ``A·m·n`` down for A
 micro-batches; after the host step the updated shard goes back cast to the compute dtype
@@ -61,35 +61,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.formulas import SUB_GROUP_SIZE, ceil_div
+from ..spec.recipes import DTYPE_BYTES, Recipe
+from ..spec.rules import OFFLOADS, check_stage_options
 from .comm import shard_degree
 from .memory import model_state_bytes
-from .recipes import DTYPE_BYTES, Recipe
 
-#: What ``--offload`` accepts (the engine's ``ZeroConfig.offload``).
-OFFLOADS = ("optimizer", "params")
 #: The master's bytes when the recipe has none: the engine keeps an fp32 host copy.
 HOST_MASTER_BYTES = DTYPE_BYTES["fp32"]
-#: The engine's default ``ZeroConfig.sub_group_size``.
-SUB_GROUP_SIZE = 100_000_000
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_offload(offload: str | None, stage: int | None = None) -> None:
     """A ValueError naming a bad ``offload`` (or one ``stage`` cannot take), in the
-    engine's words."""
+    engine's words (``spec/rules.py``)."""
     if offload is None:
         return
     if offload not in OFFLOADS:
         raise ValueError(f"offload={offload!r}; expected None, 'optimizer' or 'params'")
-    if stage == 0:
-        raise ValueError(f"offload={offload!r} moves the sharded optimizer state to the "
-                         "host; stage 0 shards nothing: use stage 1-3")
-    if offload == "params" and stage is not None and stage < 3:
-        raise ValueError("offload='params' keeps the weight shards on the host, which only "
-                         "stage 3 has")
+    if stage is not None:
+        check_stage_options(stage, offload=offload)
 
 
 def check_offload_dir(offload_dir: bool, offload: str | None) -> None:
@@ -176,7 +167,7 @@ def owned(params: int, gpus: int, stage: int, tp: int = 1,
           shard_group: int | None = None) -> int:
     """Elements whose optimizer state this GPU holds: P/tp at stage 0, over K above."""
     k = shard_degree(gpus, tp, shard_group) if stage else 1
-    return _ceil_div(_ceil_div(params, tp), k)
+    return ceil_div(ceil_div(params, tp), k)
 
 
 def placed_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
@@ -198,7 +189,7 @@ def placed_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
     if offload is None:
         return Placement(None, Bytes(weights, grads, optimizer, slot + copy), Bytes())
     states = recipe.optimizer_bytes - recipe.master_bytes
-    host_opt = _ceil_div(_ceil_div(params * (m + states), tp),
+    host_opt = ceil_div(ceil_div(params * (m + states), tp),
                          shard_degree(gpus, tp, shard_group))
     on_host = offload == "params"
     return Placement(offload,
@@ -241,7 +232,7 @@ def sub_group_buffers(owned_elements: int, state_bytes: int, sub_group_size: int
                          "(elements of the optimizer partition stepped at once)")
     if owned_elements <= 0:
         return 0
-    groups = _ceil_div(owned_elements, sub_group_size)
+    groups = ceil_div(owned_elements, sub_group_size)
     return min(2, groups) * state_bytes * min(sub_group_size, owned_elements)
 
 

@@ -19,11 +19,11 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
+from ..spec.recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
 from .advice import MAX_GPUS
 from .arch import PRESETS, Architecture, ModelSpec
 from .hardware import DEFAULT_HOST, HOSTS, Host
 from .memory import STRATEGIES, Workload, shard_degree
-from .recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
 
 #: GPU memory choices offered on the page, in GB (24 GB consumer cards to 141 GB H200).
 GPU_MEMORY_GB = (24, 40, 48, 80, 141)

@@ -57,6 +57,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.formulas import ceil_div
+from ..spec.recipes import Recipe
 from .activations import head_bytes, loss_backward_bytes, loss_bytes
 from .arch import ModelSpec
 from .backward import BackwardPass, Moment
@@ -69,14 +71,10 @@ from .memory import (
     unit_sizes,
 )
 from .offload import SUB_GROUP_SIZE, check_offload_dir, offload_at, placed_bytes
-from .recipes import Recipe
 
 #: How the optimizer's temporaries are counted: all owned elements, none, one parameter.
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -193,9 +191,9 @@ class Peak:
 def unit_params(model: ModelSpec, blocks_per_unit: int, tp: int = 1) -> tuple[int, int]:
     """(root unit, largest block unit) parameters on one GPU of ``tp``."""
     if model.layers is None:
-        return _ceil_div(model.params, tp), _ceil_div(model.params, tp)
+        return ceil_div(model.params, tp), ceil_div(model.params, tp)
     blocks = min(blocks_per_unit, model.layers)
-    return (_ceil_div(model.root_params, tp), _ceil_div(blocks * model.block_params, tp))
+    return (ceil_div(model.root_params, tp), ceil_div(blocks * model.block_params, tp))
 
 
 def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int,
@@ -233,11 +231,11 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
     if stage == 3:
         gathered = (root + prefetch * block) * recipe.weight_bytes
         if offload == "params":  # each gather's input copied up from the host first
-            gathered += _ceil_div(root + prefetch * block, dp) * recipe.weight_bytes
-    owned = _ceil_div(model.params, tp) if stage == 0 else _ceil_div(model.params, tp * dp)
+            gathered += ceil_div(root + prefetch * block, dp) * recipe.weight_bytes
+    owned = ceil_div(model.params, tp) if stage == 0 else ceil_div(model.params, tp * dp)
     state = recipe.optimizer_bytes - recipe.master_bytes  # bytes per element of the moments
     per_state = state // recipe.optimizer_states if recipe.optimizer_states else 0
-    largest = max(root, block) if stage == 0 else _ceil_div(max(root, block), dp)
+    largest = max(root, block) if stage == 0 else ceil_div(max(root, block), dp)
     temporaries = {"foreach": owned * per_state, "fused": 0,
                    "for-loop": largest * per_state}[optimizer_impl]
     streamed = offload and offload_dir  # the fused kernel on each sub-group: none
@@ -264,14 +262,14 @@ def _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, 
     alike), a bare count's units all block units (no root, no head)."""
     layers = model.layers or 1
     per_unit = min(max(1, blocks_per_unit), layers)
-    units = _ceil_div(layers, per_unit)
+    units = ceil_div(layers, per_unit)
     arch = model.arch
-    unit = _ceil_div(per_unit * model.block_params, tp) if model.layers else _ceil_div(
+    unit = ceil_div(per_unit * model.block_params, tp) if model.layers else ceil_div(
         model.params, tp)
-    root = _ceil_div(arch.root_params, tp) if arch else 0
-    head = _ceil_div(arch.vocab * arch.hidden, tp) if arch else 0
+    root = ceil_div(arch.root_params, tp) if arch else 0
+    head = ceil_div(arch.vocab * arch.hidden, tp) if arch else 0
     norm = arch.hidden * (2 if arch.norm_bias else 1) if arch else 0
-    block_saved = _ceil_div(saved.blocks * per_unit, layers) if saved else 0
+    block_saved = ceil_div(saved.blocks * per_unit, layers) if saved else 0
     secondary_root = kept[0] if kept and arch else 0
     secondary_unit = max(kept[1:] if arch else kept, default=0)
     return BackwardPass(stage, dp, recipe, units, unit, root, head, bool(arch and arch.tied),

@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
+from ..spec.recipes import get_recipe
 from .arch import PRESETS, ModelSpec
 from .hardware import ACCELERATORS, Cluster, get_network
 from .memory import Workload
-from .recipes import get_recipe
 from .steptime import Schedule, step_time
 
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..spec.recipes import Recipe
 from . import reasons
 from .arch import ModelSpec
 from .hardware import Cluster
 from .offload import SUB_GROUP_SIZE
 from .reasons import BLOCKS_PER_UNIT, PREFETCH, TIE
-from .recipes import Recipe
 from .search import HEADROOM, TP_DEGREES, Candidate, search, shard_groups
 
 __all__ = ["BLOCKS_PER_UNIT", "HEADROOM", "PREFETCH", "TIE", "TP_DEGREES", "Candidate",

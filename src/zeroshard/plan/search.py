@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.recipes import Recipe
 from .arch import ModelSpec
 from .hardware import Cluster
 from .memory import STRATEGIES, Workload, shard_degree
 from .offload import SUB_GROUP_SIZE
 from .peak import peak
 from .reasons import BLOCKS_PER_UNIT, PREFETCH
-from .recipes import Recipe
 from .steptime import Schedule, StepTime, step_time
 
 #: Fraction of GPU memory left free (fragmentation, allocator, workspaces).

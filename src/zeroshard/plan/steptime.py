@@ -15,8 +15,8 @@ Patarasuk and Yuan, 2009): over n ranks a reduce-scatter or all-gather of T byte
 ``(n-1)·α + (n-1)/n·T/β``, an all-reduce twice that, on the slowest network level the
 ring spans (:meth:`Cluster.link`).
 
-**Overlap, as zeroshard's engine schedules it** (``runtime/backward.py``,
-``runtime/sharded.py``): one serial link carries the data-parallel collectives in issue
+**Overlap, as zeroshard's engine schedules it** (``runtime/schedule/backward.py``,
+``runtime/model/sharded.py``): one serial link carries the data-parallel collectives in issue
 order; the compute stream waits on them only where the engine waits:
 
 - every stage reduces each unit's gradients once its backward is done, in reverse
@@ -50,7 +50,7 @@ K·tp is a node or less); each reduction, once waited, is followed by the all-re
 the reduced slot (stage 0: the whole buffer) over the R = dp / K replicas, on the link
 of R GPUs K·tp apart (the inter-node link when the group fills a node). The engine
 issues that all-reduce when it waits for the reduction, and waits for it at once
-(``runtime/collectives.py``, ``_across``): it is on the compute stream, never hidden,
+(``runtime/comm/collectives.py``, ``_across``): it is on the compute stream, never hidden,
 and the two levels are separate channels.
 
 **Offload** (``Schedule.offload``; ``plan/offload.py``): every landing copies the reduced
@@ -81,6 +81,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.recipes import Recipe
 from .arch import ModelSpec
 from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
 from .hardware import Cluster, Link
@@ -95,7 +96,6 @@ from .offload import (
     offload_at,
     sub_group_buffers,
 )
-from .recipes import Recipe
 from .simulate import _land, _Link, _pass, _sync
 
 #: Micro-batches simulated before the steady-state increment is repeated.
@@ -271,8 +271,8 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     g_back = gather_back if stage == 3 else None
     pf = schedule.prefetch
 
-    # Reducer._flush (runtime/backward.py): two reductions in flight at most, except at stage 0
-    # when it reduces in the gradients' own dtype
+    # Reducer._flush (runtime/schedule/backward.py): two reductions in flight at most,
+    # except at stage 0 when it reduces in the gradients' own dtype
     bounded = stage > 0 or recipe.reduce_bytes > recipe.grad_bytes
     line = _Link()
     t, flying, ends = 0.0, [], []

@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-#: torch dtypes for the dtype names that ``zeroshard.plan.recipes`` uses.
+#: torch dtypes for the dtype names that ``zeroshard.spec.recipes`` uses.
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..plan.memory import ring_all_reduce, ring_one_way
+from ..spec.formulas import ring_all_reduce, ring_one_way
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "check")
 CATEGORIES = ("params", "grads", "optimizer", "padding", "gathered", "buffers")

@@ -36,7 +36,7 @@ import sys
 import traceback
 from dataclasses import fields, replace
 
-from ..runtime.config import ZeroConfig
+from ..spec.config import ZeroConfig
 from . import datasource, failure, preflight
 from .config import TrainConfig, engine_keys, resolve
 from .hfmodel import model_source

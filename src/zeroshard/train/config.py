@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, fields, replace
 
 from .._jsonfile import read_json_object
 from ..models.gpt import PRESETS
-from ..runtime.config import ZeroConfig, is_deepspeed
-from ..runtime.scaler import SCALER_KEYS, GradScaler
+from ..runtime.step.scaler import GradScaler
+from ..spec.config import ZeroConfig, is_deepspeed
+from ..spec.deepspeed import SCALER_KEYS
 
 
 def processes(n: int) -> str:
@@ -214,7 +215,7 @@ def _check_types(cfg: TrainConfig) -> None:
 
 
 #: The DeepSpeed keys the trainer honours on top of the engine's
-#: (``zeroshard.runtime.config.DEEPSPEED_KEYS``, translated by ``ZeroConfig.from_deepspeed``).
+#: (``zeroshard.spec.deepspeed.DEEPSPEED_KEYS``, translated by ``ZeroConfig.from_deepspeed``).
 TRAINER_DEEPSPEED_KEYS = ("gradient_clipping", "train_micro_batch_size_per_gpu",
                           "train_batch_size", "gradient_accumulation_steps")
 

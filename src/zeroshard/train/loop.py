@@ -14,7 +14,7 @@ from .._paths import folder
 from ..checkpoint import load, load_pretrained, save, savedir
 from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
 from ..runtime.dist import default_device, init_distributed
-from ..runtime.scaler import GradScaler
+from ..runtime.step.scaler import GradScaler
 from . import datasource, report
 from .board import Board
 from .config import TrainConfig

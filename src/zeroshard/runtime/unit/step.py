@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .policy import AfterStep
+from ...spec.policy import AfterStep
 
 
 class UnitStep:

@@ -30,13 +30,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .ledger import ring_bytes
+from ...spec.formulas import QUANT_BLOCK, quantized_nbytes
+from ..ledger import ring_bytes
 
-#: Elements per quantization block. DeepSpeed's qwZ picks groups of about 4-8k
-#: elements (``CUDAQuantizer.target_group_size = 8000``, "optimal 4k", hard limit 16k);
-#: 2048, a power of two below that, halves the elements sharing a scale for 0.2% more
-#: bytes (4/2048 per element): 1.00195 bytes per element instead of bf16's 2.
-QUANT_BLOCK = 2048
+# QUANT_BLOCK (spec/formulas.py): DeepSpeed's qwZ picks groups of about 4-8k elements
+# (``CUDAQuantizer.target_group_size = 8000``, "optimal 4k", hard limit 16k); 2048, a
+# power of two below that, halves the elements sharing a scale for 0.2% more bytes
+# (4/2048 per element): 1.00195 bytes per element instead of bf16's 2.
 QMAX = 127  # symmetric int8: q in [-127, 127], -128 unused so that -q is always valid
 
 # torch 2.13 renamed all_gather_into_tensor; the old name warns. Older releases: old name.
@@ -47,12 +47,6 @@ def _n_blocks(numel: int, block: int) -> int:
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block={block!r}: the quantization block must be an int >= 1")
     return -(-numel // block)
-
-
-def quantized_nbytes(numel: int, block: int = QUANT_BLOCK) -> int:
-    """Bytes on the wire for ``numel`` elements: one int8 each plus one fp32 scale per
-    block (``numel + 4⌈numel/block⌉``)."""
-    return numel + 4 * _n_blocks(numel, block)
 
 
 def quantized_ring_bytes(kind: str, slot_numel: int, world: int,

@@ -11,9 +11,9 @@ import enum
 
 import torch
 
+from ...spec.policy import FullGrads
+from ..ledger import CATEGORIES, optimizer_state_bytes, tensor_bytes
 from .layout import dim0_chunk
-from .ledger import CATEGORIES, optimizer_state_bytes, tensor_bytes
-from .policy import FullGrads
 
 
 class UnitState(enum.Enum):

@@ -6,7 +6,7 @@ under each original name (tied names each, as torch does) the tensor the rank re
 and writes that parameter through (``Unit.held_rows``) — the fp32 master rows where
 there is a master, else the weights — and the module's persistent buffers. At stages
 1-3 a trainable parameter of d0 rows is rank r's dim-0 chunk, rows ``[r·c, r·c + c)``
-with c = ceil(d0 / N) (``zeroshard.runtime.layout.dim0_chunk``); at stage 0, and for a
+with c = ceil(d0 / N) (``zeroshard.runtime.unit.layout.dim0_chunk``); at stage 0, and for a
 frozen parameter below stage 3, the whole parameter. So ``torch.save`` of it on every
 rank is a sharded checkpoint of the weights (FSDP2 returns sharded DTensors alike), and
 nothing is gathered; ``full_state_dict()`` gathers the full weights, and
@@ -26,8 +26,8 @@ from collections import OrderedDict
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .construct import broadcast_buffers
-from .ledger import measure
+from ..build.construct import broadcast_buffers
+from ..ledger import measure
 
 
 def _by_param(model) -> dict[int, tuple]:

@@ -14,7 +14,7 @@ unit is always allowed.
 
 from __future__ import annotations
 
-from .unit import Unit, UnitState
+from ..unit.unit import Unit, UnitState
 
 PHASES = ("forward", "backward")
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 
-from ..offload.options import deepspeed_offload
-from .scaler import SCALER_KEYS  # DeepSpeed's fp16 keys zs.GradScaler reads, not the engine
-
 #: The DeepSpeed keys the engine honours -> the ZeroConfig field each sets (the trainer
 #: honours a few more: ``zeroshard.train.config``).
 DEEPSPEED_KEYS = {
@@ -24,8 +21,14 @@ DEEPSPEED_KEYS = {
     "zero_optimization.zero_quantized_gradients": "quantize_grads",
     "zero_optimization.sub_group_size": "sub_group_size",
 }
+#: DeepSpeed's fp16 keys (``deepspeed.runtime.constants``) with DeepSpeed's defaults: the
+#: loss scaler's (``zs.GradScaler.from_deepspeed``), not the engine's.
+DEEPSPEED_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                  "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
+#: The keys of DeepSpeed's fp16 block that set loss scaling (all but ``enabled``).
+SCALER_KEYS = tuple(DEEPSPEED_FP16)
 #: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by
-#: ``offload.options.deepspeed_offload`` into ``offload`` and ``offload_dir``.
+#: :func:`deepspeed_offload` into ``offload`` and ``offload_dir``.
 _OFFLOAD_KEYS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
 _DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
 
@@ -90,3 +93,30 @@ def translate(d: dict, handled: Iterable[str], make: Callable):
                 message = key + message[len(name):]
                 break
         raise ValueError(message) from None
+
+
+def deepspeed_offload(zero: dict) -> dict:
+    """``offload``/``offload_dir`` from DeepSpeed's ``offload_optimizer`` and
+    ``offload_param`` sections: device "cpu" is host memory, "nvme" files under
+    ``nvme_path`` (the optimizer's only), "none" or no section is no offload."""
+    out = {}
+    for section, mode in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
+        block = zero.get(section)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise ValueError(f"zero_optimization.{section}={block!r} must be a JSON object")
+        device = block.get("device", "none")
+        if device not in ("none", "cpu", "nvme") or (device == "nvme" and mode == "params"):
+            accepted = "'none', 'cpu' or 'nvme'" if mode == "optimizer" else "'none' or 'cpu'"
+            raise ValueError(f"zero_optimization.{section}.device={device!r}; expected "
+                             f"{accepted}")
+        if device == "none":
+            continue
+        out["offload"] = mode
+        if device == "nvme":
+            if "nvme_path" not in block:
+                raise ValueError(f"zero_optimization.{section}.device='nvme' needs nvme_path "
+                                 "(the directory the optimizer state is written to)")
+            out["offload_dir"] = block["nvme_path"]
+    return out

@@ -8,17 +8,12 @@ a verdict per rank would let the ranks' weights drift apart for good.
 
 When the cycle's gradients were clipped, the global norm (already the same on every
 rank, ``clip.py``) is non-finite exactly when some gradient is, and no exchange is
-needed. ``ZeroConfig.nonfinite`` picks the policy (``POLICIES``).
+needed. ``ZeroConfig.nonfinite`` picks the policy (``spec.config.NONFINITE_POLICIES``).
 """
 
 from __future__ import annotations
 
 import torch
-
-#: What the step does with non-finite gradients: stop every rank with one error, skip
-#: the optimizer step on every rank (weights and optimizer state untouched), or not
-#: check at all (as torch and DDP do).
-POLICIES = ("raise", "skip", "ignore")
 
 
 class NonFiniteGradients(FloatingPointError):

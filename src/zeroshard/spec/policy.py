@@ -11,7 +11,7 @@ follows from which of the three are sharded:
 | 2     | + gradients  | freed once packed                | reduce-scatter | all-gather     |
 | 3     | + parameters | freed once packed                | reduce-scatter | cast (into the shard) |
 
-The policy is derived from the :class:`~zeroshard.runtime.config.ZeroConfig` at
+The policy is derived from the :class:`~zeroshard.spec.config.ZeroConfig` at
 ``zs.shard`` time and handed to every unit; the units, the reduction scheduler, the
 ledger, clipping and checkpoints ask it, and nothing else compares stage numbers. A
 new mode (a placement, a second level of group) is a field here plus the few places

@@ -32,7 +32,8 @@ import warnings
 
 import torch
 
-from .._jsonfile import read_json_object
+from ..._jsonfile import read_json_object
+from ...spec.deepspeed import DEEPSPEED_FP16
 from .nonfinite import first_bad_unit
 
 
@@ -155,7 +156,7 @@ class GradScaler:
         if not isinstance(block, dict) or block.get("enabled") is not True:
             raise ValueError(f"fp16={block!r}: GradScaler.from_deepspeed needs a DeepSpeed "
                              "config whose fp16 block has \"enabled\": true")
-        got = {k: block.get(k, default) for k, default in _DEEPSPEED_FP16.items()}
+        got = {k: block.get(k, default) for k, default in DEEPSPEED_FP16.items()}
         for key, value in got.items():
             kind = bool if key == "consecutive_hysteresis" else (int, float)
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
@@ -177,7 +178,7 @@ class GradScaler:
         if not isinstance(config, dict):
             config = read_json_object(config, "config")
         got = cls.deepspeed_settings(config)
-        unknown = sorted(set(config["fp16"]) - set(_DEEPSPEED_FP16) - {"enabled"})
+        unknown = sorted(set(config["fp16"]) - set(DEEPSPEED_FP16) - {"enabled"})
         if unknown:
             warnings.warn(f"DeepSpeed fp16 keys ignored by zeroshard: {', '.join(unknown)}",
                           stacklevel=2)
@@ -201,11 +202,3 @@ class GradScaler:
                                                      int(state["overflows"]))
         if self._deepspeed is not None and "deepspeed" in state:
             self._deepspeed = dict(state["deepspeed"])
-
-
-#: DeepSpeed's fp16 keys (``deepspeed.runtime.constants``) with DeepSpeed's defaults.
-_DEEPSPEED_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                   "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
-
-#: The keys of DeepSpeed's fp16 block that set loss scaling (all but ``enabled``).
-SCALER_KEYS = tuple(_DEEPSPEED_FP16)

@@ -25,22 +25,22 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .backward import Reducer
-from .collectives import Collectives
-from .config import ZeroConfig
-from .construct import broadcast_buffers, broadcast_state, build_units, check_same_model
-from .cycle import CycleState, StepCycle
-from .dist import default_device
-from .events import Events
-from .ledger import Ledger
-from .materialize import Materializer, has_meta
-from .optim import register_for_step_hooks
-from .policy import ShardPolicy
-from .prefetch import Prefetcher
+from ...spec.config import ZeroConfig
+from ...spec.policy import ShardPolicy
+from ..build.construct import broadcast_buffers, broadcast_state, build_units, check_same_model
+from ..build.materialize import Materializer, has_meta
+from ..build.units import select_units
+from ..comm.collectives import Collectives
+from ..dist import default_device
+from ..events import Events
+from ..ledger import Ledger
+from ..schedule.backward import Reducer
+from ..schedule.prefetch import Prefetcher
+from ..step.cycle import CycleState, StepCycle
+from ..step.optim import register_for_step_hooks
+from ..step.stepping import Stepping
+from ..unit.unit import Unit
 from .readout import Readout
-from .stepping import Stepping
-from .unit import Unit
-from .units import select_units
 
 
 class ShardedModel(Stepping, Readout, nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..offload.stream import DiskStep, after_streamed_step, check_streamable
+from ...offload.stream import DiskStep, after_streamed_step, check_streamable
 from . import nonfinite
 from .clip import check_clip_args, clip_grad_norm
 from .cycle import CycleState
@@ -23,7 +23,7 @@ class Stepping:
         self._cycle_norm: torch.Tensor | None = None  # the clipped norm of this cycle
         self._verdict: tuple[str, str] | None = None  # a loss scaler's: ("skip", why)
         self.loss_scaler = None
-        """The :class:`~zeroshard.runtime.scaler.GradScaler` made for this model, if any."""
+        """The :class:`~zeroshard.runtime.step.scaler.GradScaler` made for this model, if any."""
         self.steps = 0
         """Optimizer steps taken (skipped ones included): every rank counts alike."""
         self.skipped_steps = 0
@@ -114,7 +114,7 @@ class Stepping:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards (padding never counts); return
-        the norm (see :func:`zeroshard.runtime.clip.clip_grad_norm`). A non-finite norm
+        the norm (see :func:`zeroshard.runtime.step.clip.clip_grad_norm`). A non-finite norm
         raises with ``error_if_nonfinite`` (as torch's), and otherwise leaves the
         decision to ``ZeroConfig.nonfinite`` at the step, with no further exchange."""
         check_clip_args(max_norm, norm_type)

@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .collectives import Collectives
-from .dist import default_device
-from .events import Events
-from .policy import ShardPolicy
-from .unit import Unit
+from ...spec.policy import ShardPolicy
+from ..comm.collectives import Collectives
+from ..dist import default_device
+from ..events import Events
+from ..unit.unit import Unit
 
 
 def check_same_model(module: nn.Module, config) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..unit.unit import Unit, UnitState
 from .reduce import issue_reduce
-from .unit import Unit, UnitState
 
 
 class Reducer:

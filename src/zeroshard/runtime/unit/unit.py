@@ -1,21 +1,21 @@
 """A unit: the parameters gathered together and reduced together. One code path for
-every stage; what differs is asked of its :class:`~zeroshard.runtime.policy.ShardPolicy`
+every stage; what differs is asked of its :class:`~zeroshard.spec.policy.ShardPolicy`
 (stage 0 is a shard group of one for the optimizer state). Others read a unit through
-the public methods of :class:`UnitView` (``unitview.py``)."""
+the public methods of :class:`UnitView` (``unit/view.py``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..offload.disk import place_on_disk
-from .collectives import Collectives
-from .dist import TORCH_DTYPES, host_device
-from .events import Events
+from ...offload.disk import place_on_disk
+from ...spec.policy import FullGrads, ShardPolicy
+from ..comm.collectives import Collectives
+from ..dist import TORCH_DTYPES, host_device
+from ..events import Events
 from .layout import ShardLayout
-from .policy import FullGrads, ShardPolicy
-from .unitstep import UnitStep
-from .unitview import UnitState, UnitView
+from .step import UnitStep
+from .view import UnitState, UnitView
 
 
 class Unit(UnitStep, UnitView):

@@ -1,4 +1,7 @@
-"""``ZeroConfig``: what ``zs.shard`` does, validated once at construction."""
+"""``ZeroConfig``: what ``zs.shard`` does, validated once at construction.
+
+Every rule that ties an option to a stage lives in ``rules.py``, one message each; the
+engine and the planner both meet it through ``ZeroConfig``."""
 
 from __future__ import annotations
 
@@ -8,10 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from .._jsonfile import read_json_object
-from ..offload.options import check_disk
-from ..plan.recipes import RECIPES, Recipe, get_recipe
 from .deepspeed import DEEPSPEED_KEYS, is_deepspeed, translate  # noqa: F401 (re-exported)
-from .nonfinite import POLICIES
+from .formulas import QUANT_BLOCK, SUB_GROUP_SIZE
+from .policy import ShardPolicy
+from .recipes import RECIPES, Recipe, get_recipe
+from .rules import OFFLOADS, check_disk, check_stage_options
+
+#: What the optimizer step does with non-finite gradients (``ZeroConfig.nonfinite``): stop
+#: every rank with one error, skip the step on every rank (weights and optimizer state
+#: untouched), or not check at all (as torch and DDP do).
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 #: ``mixed_precision`` shorthands -> recipe names.
 _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adamw",
@@ -34,7 +43,7 @@ class ZeroConfig:
     (one rounding into the stored dtype instead of one per rank), else the gradient
     dtype."""
     units: Any = "blocks"
-    """Unit policy (see ``zeroshard.runtime.units.select_units``): "blocks", None,
+    """Unit policy (see ``zeroshard.runtime.build.units.select_units``): "blocks", None,
     module classes, a list of modules, or a parameter count."""
     param_persistence_threshold: int = 0
     """Stage 3: parameters with fewer elements than this stay whole on every rank
@@ -71,11 +80,11 @@ class ZeroConfig:
     """Before each collective the ranks exchange a fingerprint of it — step, phase, kind,
     unit, size — on a small group of their own (``kind="check"`` in ``comm_stats()``),
     and stop, every rank alike, with one error naming what each rank was doing when they
-    differ (``runtime/watch.py``). Ranks out of step (one more micro-batch on one rank,
+    differ (``runtime/comm/watch.py``). Ranks out of step (one more micro-batch on one rank,
     a mixture of experts routing per rank at stage 3) would otherwise pair unlike
     collectives: wrong weights when the sizes agree, a wait until the timeout when not."""
     shard_group: Any = None
-    """Hybrid sharding ([Note: hybrid sharding] in ``groups.py``): None shards over every
+    """Hybrid sharding ([Note: hybrid sharding] in ``mesh.py``): None shards over every
     data-parallel rank; an integer K (dividing the N ranks) shards over groups of K
     consecutive ranks and replicates across the N / K groups — gathers and
     reduce-scatters stay inside a group, one all-reduce of each reduced shard crosses
@@ -99,9 +108,9 @@ class ZeroConfig:
     quantize_grads: bool = False
     """Stages 1-3, qgZ (ZeRO++): the gradients' reduce-scatter inside the shard group is
     an all-to-all of int8 blocks with fp32 scales, dequantized and summed in fp32 in
-    rank order (``runtime/quantize.py``); the all-reduce across replica groups stays
+    rank order (``runtime/comm/quantize.py``); the all-reduce across replica groups stays
     exact. An approximation, like ``quantize_weights``."""
-    quant_block: int = 2048
+    quant_block: int = QUANT_BLOCK
     """Elements per quantization block (one fp32 scale each: 1 + 4 / block bytes per
     element). DeepSpeed's weight quantizer works in groups of a few thousand; smaller
     blocks track the values more closely at more bytes (``docs/quantized.md``)."""
@@ -124,7 +133,7 @@ class ZeroConfig:
     memory ``sub_group_size`` elements at a time (``zeroshard.offload.stream``). The
     files are written in full at ``zs.shard`` time, so a disk too small is an error
     then. None: no disk."""
-    sub_group_size: int = 100_000_000
+    sub_group_size: int = SUB_GROUP_SIZE
     """Disk offload: elements of each rank's optimizer partition stepped at once
     (DeepSpeed's ``sub_group_size``: its default is 1e9). The host holds two
     sub-groups of master and moments (12 bytes an element each: one stepping, the other
@@ -178,43 +187,32 @@ class ZeroConfig:
         if k2 is not None and (isinstance(k2, bool) or not isinstance(k2, int) or k2 < 1):
             raise ValueError(f"secondary_group={k2!r}; expected None or an integer >= 1 "
                              "dividing the shard group")
-        if k2 is not None and self.stage != 3:
-            raise ValueError(f"secondary_group={k2} (hpZ) keeps gathered weights between "
-                             f"forward and backward, which only stage 3 releases; got "
-                             f"stage={self.stage}: use stage 3 or drop secondary_group")
         for name in ("quantize_weights", "quantize_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if isinstance(self.quant_block, bool) or not isinstance(self.quant_block, int) or (
                 self.quant_block < 1):
             raise ValueError(f"quant_block={self.quant_block!r} must be an integer >= 1")
-        if self.quantize_weights and self.stage != 3:
-            raise ValueError(f"quantize_weights (qwZ) quantizes stage 3's gathers of the "
-                             f"weights; got stage={self.stage}: use stage 3")
-        if self.quantize_grads and self.stage == 0:
-            raise ValueError("quantize_grads (qgZ) quantizes the gradients' reduce-scatter, "
-                             "which stage 0 does not do (it all-reduces); use stage 1-3")
-        if self.quantize_grads and self.reduce_dtype is not None:
-            raise ValueError(f"quantize_grads sends the gradients as int8 and sums them in "
-                             f"fp32; reduce_dtype={self.reduce_dtype!r} asks for another "
-                             "reduction: drop one of the two")
-        if self.offload not in (None, "optimizer", "params"):
+        if self.offload not in (None, *OFFLOADS):
             raise ValueError(f"offload={self.offload!r}; expected None, 'optimizer' or "
                              "'params'")
-        if self.offload and self.stage == 0:
-            raise ValueError(f"offload={self.offload!r} moves the sharded optimizer state to "
-                             "the host; stage 0 shards nothing: use stage 1-3")
-        if self.offload == "params" and self.stage != 3:
-            raise ValueError(f"offload='params' keeps the weight shards on the host, which "
-                             f"only stage 3 has; got stage={self.stage}: use stage 3 or "
-                             "offload='optimizer'")
+        check_stage_options(self.stage, secondary_group=k2,
+                            quantize_weights=self.quantize_weights,
+                            quantize_grads=self.quantize_grads, reduce_dtype=self.reduce_dtype,
+                            offload=self.offload)
         check_disk(self)
-        if self.nonfinite not in POLICIES:
+        if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
-                             f"{', '.join(map(repr, POLICIES))}")
+                             f"{', '.join(map(repr, NONFINITE_POLICIES))}")
         if reduce not in ("fp32", "bf16"):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}; expected 'fp32' or 'bf16'")
         object.__setattr__(self, "recipe", recipe.with_reduce_dtype(reduce))
+
+    @property
+    def policy(self) -> ShardPolicy:
+        """What this configuration's stage means, with its placements
+        (:meth:`ShardPolicy.from_config`)."""
+        return ShardPolicy.from_config(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> ZeroConfig:
@@ -229,7 +227,7 @@ class ZeroConfig:
 
     @classmethod
     def from_deepspeed(cls, d: dict, handled: Iterable[str] = ()) -> ZeroConfig:
-        """The DeepSpeed keys zeroshard honours (``runtime/deepspeed.py``: ``DEEPSPEED_KEYS``;
+        """The DeepSpeed keys zeroshard honours (``spec/deepspeed.py``: ``DEEPSPEED_KEYS``;
         DeepSpeed's defaults for those absent, so no ``zero_optimization.stage`` is stage
         0). Every other key, except those in ``handled`` (a caller's own, such as the
         trainer's batch sizes), is named in one warning. A bad value is an error naming its
@@ -246,4 +244,5 @@ class ZeroConfig:
         if isinstance(config, (str, Path)):
             return cls.from_dict(read_json_object(config, "config"))
         raise ValueError(f"config={config!r}; expected a ZeroConfig, a dict or a JSON file path")
+
 

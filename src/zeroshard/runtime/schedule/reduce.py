@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .unit import Unit
+from ..unit.unit import Unit
 
 
 def issue_reduce(units: list[Unit]) -> None:

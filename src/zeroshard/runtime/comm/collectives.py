@@ -30,10 +30,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..plan.hardware import GLOO_BROADCAST_MAX
+from ...spec.formulas import GLOO_BROADCAST_MAX
+from ..ledger import Ledger
+from ..mesh import make_groups, secondary_size, shard_size, timeout_of
 from . import watch
-from .groups import make_groups, secondary_size, shard_size, timeout_of
-from .ledger import Ledger
 from .quantize import (
     QUANT_BLOCK,
     quantized_all_gather,
@@ -47,7 +47,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class Collectives:
-    """A model's process groups (``groups.py``) and every collective it issues on them,
+    """A model's process groups (``mesh.py``) and every collective it issues on them,
     recorded in the ledger by kind and level: ``"inside"`` a shard group, or
     ``"across"`` shard groups (hybrid sharding's replica all-reduce)."""
 
@@ -156,7 +156,7 @@ class Collectives:
                      async_op: bool):
         """A reduction inside the shard group, followed under hybrid sharding by the
         all-reduce of ``t`` across the replica groups ([Note: hybrid sharding] in
-        ``groups.py``): one waitable for both, whose ``advance()`` lands the first and
+        ``mesh.py``): one waitable for both, whose ``advance()`` lands the first and
         issues the second without waiting for it, so it overlaps what follows."""
         work = (_Across(self, inside, t, divisor, unit)
                 if grads and self.replica_group is not None else inside)

@@ -1,0 +1,164 @@
+"""The shape of the package, held as tests: one spec that imports neither side, an engine
+that never imports the planner or the observatory, no import cycles (imports inside
+functions included), stage numbers compared only in the spec, short engine files.
+Pure unit tests: the source is read as text and parsed, nothing is run."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = SRC / "zeroshard"
+
+
+def _module(path: Path) -> tuple[str, bool]:
+    """(dotted name, is a package) of a source file."""
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    package = parts[-1] == "__init__"
+    return ".".join(parts[:-1] if package else parts), package
+
+
+def _modules() -> dict[str, Path]:
+    return {_module(p)[0]: p for p in PKG.rglob("*.py")}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """zeroshard modules ``path`` imports anywhere in it (function bodies included): each
+    resolved to the module itself, or to the package whose name it imports."""
+    name, package = _module(path)
+    base = name.split(".") if package else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                target = ".".join(base[:len(base) - node.level + 1] + ([target] if target else []))
+            targets = [f"{target}.{a.name}" for a in node.names] + [target]
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t.startswith("zeroshard") and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(p, modules) for m, p in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _packages(graph: dict[str, set[str]], depth: int, under: str = "zeroshard"):
+    """The graph between packages ``depth`` names deep below ``under`` (a module's own
+    package's imports of itself left out)."""
+    def cut(m: str) -> str | None:
+        if not m.startswith(under + "."):
+            return None
+        return ".".join(m.split(".")[:depth])
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        a = cut(m)
+        if a is None:
+            continue
+        out.setdefault(a, set()).update(b for d in deps if (b := cut(d)) and b != a)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_back():
+    assert _cycles(_graph()) == []
+
+
+@pytest.mark.parametrize("depth, under", [(2, "zeroshard"), (3, "zeroshard.runtime")])
+def test_no_package_imports_itself_back(depth, under):
+    """Between the top-level packages (plan, spec, runtime, checkpoint, models...) and
+    between the engine's sub-packages (build, model, unit, comm, schedule, step)."""
+    assert _cycles(_packages(_graph(), depth, under)) == []
+
+
+@pytest.mark.parametrize("side, forbidden", [
+    ("zeroshard.spec", ("zeroshard.plan", "zeroshard.runtime", "zeroshard.offload",
+                        "zeroshard.checkpoint", "zeroshard.train")),
+    ("zeroshard.runtime", ("zeroshard.plan", "zeroshard.observe", "zeroshard.train",
+                           "zeroshard.checkpoint")),
+    ("zeroshard.plan", ("zeroshard.runtime", "zeroshard.observe", "zeroshard.offload",
+                        "zeroshard.checkpoint", "zeroshard.train")),
+])
+def test_what_each_side_never_imports(side, forbidden):
+    """The spec imports neither side; the engine emits events and asks the spec, never
+    the planner or the observatory; the planner never reaches the engine."""
+    bad = {(m, d) for m, deps in _graph().items() if m.startswith(side)
+           for d in deps if d.startswith(forbidden)}
+    assert not bad, sorted(bad)
+
+
+def test_the_spec_and_the_planner_never_import_torch():
+    code = ("import sys; import zeroshard.spec.config, zeroshard.spec.dims, "
+            "zeroshard.spec.deepspeed, zeroshard.plan; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_runtime_files_stay_short():
+    long = {str(p.relative_to(PKG)): n for p in (PKG / "runtime").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 320}
+    assert not long, long
+
+
+def test_only_the_spec_compares_stage_numbers():
+    """Outside ``spec/`` nothing in the engine, the ledger, clipping, checkpoints, offload
+    or the profiler compares a stage number: they ask the policy."""
+    for sub in ("runtime", "observe", "checkpoint", "offload"):
+        for path in (PKG / sub).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Compare):
+                    names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None)
+                             for n in [node.left, *node.comparators]}
+                    assert "stage" not in names, f"{path}:{node.lineno} compares a stage"
