@@ -64,7 +64,7 @@ def _run(mode: str, layers: int, width: int, sub: int, steps: int, where: str) -
     placed = net.memory(opt, by_placement=True)
     return {"mode": mode, "params": params, "state_bytes": 12 * params,
             "sub_group_bytes": 12 * sub if mode == "disk" else None,
-            "buffers": net._disk_step.buffer_bytes() if mode == "disk" else 0,
+            "buffers": net.stepper.disk_step.buffer_bytes() if mode == "disk" else 0,
             "peak_growth": max(growth), "held_after": held[0],
             "step_s": statistics.median(times[1:] or times),
             "placed": {w: sum(v.values()) for w, v in placed.items()}}

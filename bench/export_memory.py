@@ -26,7 +26,7 @@ def _save(root: str, layers: int, hidden: int) -> int:
         model = GPT(cfg)
     net = zs.shard(model, stage=3, param_init=GPT.init_module)
     zs.save(net, None, os.path.join(root, "ckpt"))
-    return max(p.numel() * 4 for p in GPT(cfg).parameters()) if net.comm.dp_rank == 0 else 0
+    return max(p.numel() * 4 for p in GPT(cfg).parameters()) if net.mesh.dp_rank == 0 else 0
 
 
 def main() -> None:

@@ -24,9 +24,10 @@ def _rank(numel: int) -> dict:
 
     from zeroshard.runtime.comm.collectives import Collectives
     from zeroshard.runtime.ledger import Ledger
+    from zeroshard.runtime.mesh import Mesh
 
     n, r = dist.get_world_size(), dist.get_rank()
-    comm = Collectives(Ledger())
+    comm = Collectives(Ledger(), Mesh.build(None))
     torch.manual_seed(r)
     slot = numel // n
     src = torch.randn(n * slot)  # 1D [N·S]: a reduce-scatter's input, an all-gather's output

@@ -408,7 +408,7 @@ def bf16_stage0_buffers():
     net.events.subscribe(Peak())
     x, y = batch("mlp", 0)
     net(x, y).backward()
-    widest = max((u.r_layout.slot_numel + len(u.trainable)) * u.comm.dp_world * 4
+    widest = max((u.r_layout.slot_numel + len(u.trainable)) * u.comm.mesh.dp_world * 4
                  for u in net.units)
     return Peak.most, widest, len(net.units)
 
@@ -494,9 +494,10 @@ def collectives_grid():
     """The engine's reduce-scatter and all-gather (on gloo: an all-reduce in place and
     N broadcasts, ``runtime/comm/collectives.py``) against torch's own, bit for bit, over the
     whole world and over two halves of it; then stages 0-3 trained over the halves."""
-    from zeroshard.runtime import collectives
+    from zeroshard.runtime.comm import collectives
     from zeroshard.runtime.comm.collectives import Collectives
     from zeroshard.runtime.ledger import Ledger
+    from zeroshard.runtime.mesh import Mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # a group of the halves' first ranks: members of one half now belong to different
@@ -510,8 +511,8 @@ def collectives_grid():
                                        ("world_explicit", dist.group.WORLD, 4)):
         # broadcast_max 1: the all-gather above GLOO_BROADCAST_MAX ranks (torch's own)
         collectives.GLOO_BROADCAST_MAX = broadcast_max
-        comm = Collectives(Ledger(), group)
-        n, r = comm.dp_world, comm.dp_rank
+        comm = Collectives(Ledger(), Mesh.build(group))
+        n, r = comm.mesh.dp_world, comm.mesh.dp_rank
         for dtype in (torch.float32, torch.bfloat16):
             g = torch.Generator().manual_seed(7 + rank)
             inp = torch.randn(n * 1001, generator=g).to(dtype)  # 1D [N·S], odd S

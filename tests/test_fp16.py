@@ -175,7 +175,8 @@ def test_deepspeed_scale_sequences_are_deepspeeds_own(monkeypatch):
 def test_deepspeed_fp16_block_from_a_file_names_unknown_keys(tmp_path, recwarn):
     path = tmp_path / "ds.json"
     path.write_text('{"fp16": {"enabled": true, "hysteresis": 3, "auto_cast": false}}')
-    scaler = zs.GradScaler.from_deepspeed(SimpleNamespace(), str(path))
+    model = SimpleNamespace(stepper=SimpleNamespace(attach_scaler=lambda scaler: None))
+    scaler = zs.GradScaler.from_deepspeed(model, str(path))
     assert (scaler.get_scale(), scaler.hysteresis) == (2.0 ** 16, 3)  # DeepSpeed's default power
     assert [str(w.message) for w in recwarn.list] == [
         "DeepSpeed fp16 keys ignored by zeroshard: auto_cast"]

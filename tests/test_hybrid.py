@@ -9,6 +9,7 @@ import zeroshard as zs
 from zeroshard.plan import get_recipe, model_state_bytes
 from zeroshard.plan.memory import comm_bytes, ring_all_reduce
 from zeroshard.runtime.spawn import spawn
+from zeroshard.runtime.unit.readout import memory as unit_memory
 
 from . import engine_cases as cases
 
@@ -138,7 +139,7 @@ def _bad_groups():
             out.append(str(exc))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     net = zs.shard(cases.build("mlp"), stage=3, shard_group=mesh)
-    out.append((net.comm.shard_world, net.comm.replica_world))
+    out.append((net.mesh.shard_world, net.mesh.replica_world))
     return out
 
 
@@ -255,7 +256,7 @@ def _hpz():
         weights = net.full_state_dict()
         net.comm_stats(reset=True)
         loss = net(*cases.batch("mlp", 99))
-        kept = sum(u.memory()["gathered"] for u in net.units)  # between forward and backward
+        kept = sum(unit_memory(u)["gathered"] for u in net.units)  # between forward and backward
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -285,11 +286,11 @@ def test_hpz_needs_stage_3_and_a_divisor():
     with pytest.raises(ValueError, match=r"secondary_group=2 \(hpZ\) keeps gathered weights "
                                          r"between forward and backward, which only stage 3"):
         zs.ZeroConfig(stage=2, secondary_group=2)
-    from zeroshard.runtime.mesh import secondary_size
+    from zeroshard.spec.dims import ParallelDims
 
     with pytest.raises(ValueError, match=r"secondary_group=3 does not divide the shard "
                                          r"group's 4 ranks; expected one of \[1, 2, 4\]"):
-        secondary_size(3, 4)
+        ParallelDims(4, secondary=3)
 
 
 def _hpz_forward_without_backward():

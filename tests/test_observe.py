@@ -55,7 +55,7 @@ def _planned_vs_measured(folder):
         opt.zero_grad()
     plan, _ = predicted(net, cfg, x.numel(), x.shape[1])
     _, peak = net.profiler.peak()
-    rank = net.comm.dp_rank
+    rank = net.mesh.dp_rank
     chrome_trace(net.profiler, f"{folder}/trace-{rank}.json", rank)
     lifetime_chart(net.profiler, f"{folder}/chart-{rank}.png")
     return plan, peak.memory, net.profiler.peak_statement()

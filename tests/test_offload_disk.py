@@ -67,7 +67,7 @@ def _step_growth(offload_dir, sub):
     before = _rss()["VmRSS"]
     opt.step()
     grown = _rss()["VmHWM"] - before
-    streamed = net._disk_step.buffer_bytes() if offload_dir else 0
+    streamed = net.stepper.disk_step.buffer_bytes() if offload_dir else 0
     state = 12 * sum(s.numel() for s in net.parameters())
     del net, opt
     gc.collect()

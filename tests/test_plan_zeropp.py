@@ -4,7 +4,7 @@
 input layer and head in the root unit, three blocks as units, every row count divisible
 by 4, so nothing is padded), one step after a first: bytes per level and kind, and the
 weights every rank keeps between its forward and its backward (``gathered`` in
-``u.memory()``, hpZ's secondary shards). The unit tests replay it against
+``unit.readout.memory(u)``, hpZ's secondary shards). The unit tests replay it against
 ``comm_bytes_by_level`` and ``secondary_bytes`` (and the peak's ``secondary``), plus
 the presence flags the engine adds to each reduced slot (one per parameter, which the
 plan leaves out: under qgZ they travel inside the quantized slot).
@@ -60,6 +60,7 @@ def _grid() -> dict:
     import torch.nn.functional as F
 
     import zeroshard as zs
+    from zeroshard.runtime.unit.readout import memory as unit_memory
 
     from . import engine_cases as cases
     from .test_plan_hybrid import step_seeing_memory
@@ -87,7 +88,7 @@ def _grid() -> dict:
             x, y = torch.randn(3, 6, generator=g), torch.randn(3, 4, generator=g)
             net.comm_stats(reset=True)
             loss = net(x, y)
-            kept = sum(u.memory()["gathered"] for u in net.units)
+            kept = sum(unit_memory(u)["gathered"] for u in net.units)
             loss.backward()
             seen = step_seeing_memory(net, opt)
         levels = net.comm_stats(by_level=True)
@@ -269,10 +270,10 @@ def test_refusals_are_the_engines(stage, z, reduce):
 
 
 def test_a_secondary_group_that_does_not_divide_is_the_engines_refusal():
-    from zeroshard.runtime.mesh import secondary_size
+    from zeroshard.spec.dims import ParallelDims
 
     with pytest.raises(ValueError) as engine:
-        secondary_size(3, 4)
+        ParallelDims(4, secondary=3)
     with pytest.raises(ValueError) as plan:
         comm_bytes_by_level(P, N, FP32, 3, zeropp=ZeroPP(3))
     assert str(plan.value) == str(engine.value)

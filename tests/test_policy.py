@@ -6,6 +6,7 @@ import pytest
 
 from zeroshard.spec.policy import AfterStep, FullGrads, ShardPolicy
 
+
 @pytest.mark.parametrize("stage, sharded, full, reduce, after", [
     (0, set(), FullGrads.AVERAGED, "all_reduce", AfterStep.CAST),
     (1, {"optimizer"}, FullGrads.LOCAL, "reduce_scatter", AfterStep.ALL_GATHER),

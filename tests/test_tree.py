@@ -41,7 +41,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
             target = node.module or ""
             if node.level:
                 target = ".".join(base[:len(base) - node.level + 1] + ([target] if target else []))
-            targets = [f"{target}.{a.name}" for a in node.names] + [target]
+            # a submodule by name (``from . import exportdir``), else a name of the module
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target
+                       for a in node.names]
         for t in targets:
             while t and t not in modules:
                 t = t.rpartition(".")[0]

@@ -144,4 +144,4 @@ def load_pretrained(model, path: str | Path) -> None:
             if name in wmap:
                 buf.copy_(TensorFile(str(wmap[name])).rows(name))
     model.refresh_compute()
-    dist.barrier(model.comm.group)
+    dist.barrier(model.mesh.dp_group)

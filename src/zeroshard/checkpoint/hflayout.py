@@ -117,7 +117,7 @@ def load_hf_weights(model, path: str | Path) -> None:
         for buf, f, source in buffers:
             buf.copy_(f.rows(source))
     model.refresh_compute()
-    dist.barrier(model.comm.group)
+    dist.barrier(model.mesh.dp_group)
 
 
 def trained_from(ckpt_path: str | Path) -> str | None:

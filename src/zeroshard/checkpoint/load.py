@@ -43,8 +43,8 @@ def check_model(manifest: dict, model, path: Path) -> None:
 
 def _agree(model, problem: str | None) -> None:
     """Every rank raises if any rank found a problem: nothing is half-applied."""
-    problems = [None] * model.comm.dp_world
-    dist.all_gather_object(problems, problem, group=model.comm.group)
+    problems = [None] * model.mesh.dp_world
+    dist.all_gather_object(problems, problem, group=model.mesh.dp_group)
     first = next((p for p in problems if p), None)
     if first:
         raise ValueError(first)
@@ -54,7 +54,7 @@ def load(model, optimizer, path: str | Path) -> dict:
     """Load a checkpoint written by :func:`save` at any N and stage into ``model`` and
     ``optimizer``; return its ``extra``. ``path`` is a checkpoint or a directory with a
     ``latest`` pointer."""
-    rank, world = model.comm.shard_rank, model.comm.shard_world  # (replicas read alike)
+    rank, world = model.mesh.shard_rank, model.mesh.shard_world  # (replicas read alike)
     problem, manifest, ckpt, plan = None, None, None, []
     try:
         ckpt = resolve(path)

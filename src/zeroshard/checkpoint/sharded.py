@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.unit.layout import dim0_chunk
+from ..runtime.unit.readout import held_rows
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
 FORMAT = "zeroshard-checkpoint"
@@ -60,7 +61,7 @@ class _Entry:
         self.rows = _rows(self.shape)
         self.trainable = index in unit.trainable
         # the optimizer-facing shard (the master), or a frozen parameter kept whole
-        self.source, self.first = unit.held_rows(index)
+        self.source, self.first = held_rows(unit, index)
         self.count = (self.source.shape[0] if self.source.dim() else 1)
         self.row = self.source.numel() // self.count if self.count else 0  # elements per row
         if not self.count:  # no rows here (fewer rows than ranks): the row size from the shape
@@ -139,13 +140,13 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
 
     Under hybrid sharding the ranks of the first shard group write (rows by their place
     in the group, K files); the replica groups hold the same rows and write nothing."""
-    rank, world = model.comm.shard_rank, model.comm.shard_world
-    writer = model.comm.replica_rank == 0
+    rank, world = model.mesh.shard_rank, model.mesh.shard_world
+    writer = model.mesh.replica_rank == 0
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     model.synchronize()
     problem = None
-    if model.comm.dp_rank == 0:
+    if model.mesh.dp_rank == 0:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
@@ -156,13 +157,13 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     try:
         files = _write_rows(model, optimizer, partial, rank, world) if writer else None
     except OSError as exc:
-        problem = (f"rank {model.comm.dp_rank}: {exc.filename or partial}: "
+        problem = (f"rank {model.mesh.dp_rank}: {exc.filename or partial}: "
                    f"{exc.strerror or exc}")
     _agree_saved(model, problem, partial)
-    every = [None] * model.comm.dp_world
-    dist.all_gather_object(every, files, group=model.comm.group)
+    every = [None] * model.mesh.dp_world
+    dist.all_gather_object(every, files, group=model.mesh.dp_group)
     problem = None
-    if model.comm.dp_rank == 0:
+    if model.mesh.dp_rank == 0:
         try:
             _publish(model, optimizer, path, partial, [f for f in every if f], extra or {})
         except OSError as exc:
@@ -174,11 +175,11 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
 def _agree_saved(model, problem: str | None, partial: Path) -> None:
     """Every rank learns whether any rank failed; if so the ``.partial`` folder goes
     and every rank raises the same :class:`SaveFailed`."""
-    problems = [None] * model.comm.dp_world
-    dist.all_gather_object(problems, problem, group=model.comm.group)
+    problems = [None] * model.mesh.dp_world
+    dist.all_gather_object(problems, problem, group=model.mesh.dp_group)
     first = next((p for p in problems if p), None)
     if first:
-        if model.comm.dp_rank == 0:
+        if model.mesh.dp_rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise SaveFailed(f"checkpoint not saved: {first}; the last complete checkpoint "
                          "beside it is untouched")
@@ -222,7 +223,7 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
                  and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
         groups.append({**hyper, "params": [names[id(p)] for p in g["params"]]})
     manifest = {
-        "format": FORMAT, "version": 1, "world": model.comm.shard_world,
+        "format": FORMAT, "version": 1, "world": model.mesh.shard_world,
         "stage": model.zero_config.stage, "recipe": model.zero_config.recipe.name,
         "params": {e.name: {"shape": list(e.shape), "dtype": str(e.source.dtype)[6:],
                             "trainable": e.trainable} for e in entries(model)},

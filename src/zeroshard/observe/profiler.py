@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.events import KINDS
-from ..runtime.unit.view import UnitState
+from ..runtime.unit.state import UnitState
 
 __all__ = ["KINDS", "Event", "Profiler"]
 

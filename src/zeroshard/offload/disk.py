@@ -65,7 +65,7 @@ def scratch_folder(offload_dir: str, comm) -> str:
     folder = _FOLDERS.get(comm)
     if folder is None or not os.path.isdir(folder):  # none yet, or removed once emptied
         try:
-            folder = tempfile.mkdtemp(prefix=f"zeroshard-offload-rank{comm.dp_rank}-",
+            folder = tempfile.mkdtemp(prefix=f"zeroshard-offload-rank{comm.mesh.dp_rank}-",
                                       dir=offload_dir)
         except OSError as exc:
             raise io_error(exc, os.path.join(offload_dir, "x", "x"),
@@ -155,11 +155,11 @@ def place_on_disk(master: torch.Tensor, offload_dir: str, comm, index: int):
     try:
         disk = UnitFile(scratch_folder(offload_dir, comm), index, master)
     except OffloadDiskError as exc:
-        problem = f"rank {comm.dp_rank}: {exc}"
+        problem = f"rank {comm.mesh.dp_rank}: {exc}"
     # Every rank learns of a failure on any (one disk fuller than another's): all stop
     # here with the same line, rather than the others wait in a later collective.
-    problems = [None] * comm.dp_world
-    dist.all_gather_object(problems, problem, group=comm.group)
+    problems = [None] * comm.mesh.dp_world
+    dist.all_gather_object(problems, problem, group=comm.mesh.dp_group)
     first = next((p for p in problems if p), None)
     if first:
         raise OffloadDiskError(first)

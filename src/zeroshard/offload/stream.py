@@ -32,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..spec.policy import AfterStep
 from .disk import OffloadDiskError
 from .host_adam import HostAdamW
 
@@ -259,21 +258,3 @@ class DiskStep:
                                 amsgrad=False, maximize=False)
         for dest, master in sends:  # cast on the host first: half the bytes to move
             dest.copy_(master if dest.dtype == master.dtype else master.to(dest.dtype))
-
-
-def after_streamed_step(u) -> None:
-    """``Unit.after_step`` for a disk unit: its compute weights already hold the update
-    (sent sub-group by sub-group), so stages 1-2 all-gather this rank's rows from them
-    rather than cast the master again from the file."""
-    u.step_grads = u.grad_shard = u.host_grads = None
-    for i in u.trainable:
-        u.shards[i].grad = None
-        if u.policy.keeps_full_grads:
-            u.params[i].grad = None
-    if u.trainable and u.policy.after_step is AfterStep.ALL_GATHER:
-        u.wait_sync()
-        out = torch.empty(u.world, u.g_layout.slot_numel, dtype=u.compute_dtype,
-                          device=u.device)
-        inp = out[u.rank]
-        torch.cat([u.padded[i][u.rank] for i in u.trainable], out=inp)
-        u._sync_work = (u.comm.all_gather(out, inp, async_op=True, unit=u.index), out, inp)

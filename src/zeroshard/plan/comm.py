@@ -25,7 +25,7 @@ ZeRO++ (Wang et al., 2023; :class:`ZeroPP`, the engine's ``secondary_group``,
   its backward, whose gather runs over the K2 ranks of a secondary group: level
   *secondary*, ``ring_one_way(K·n·w, K2)``; the forward's gather stays *inside*. Memory:
   ``K/K2·n·w`` per unit, every unit's held at the start of backward (``gathered`` in the
-  engine's ``UnitView.memory``).
+  engine's ``runtime/unit/readout.memory``).
 - **qwZ** (stage 3): a gather of the weights over the shard group (forward; backward
   too unless hpZ keeps them) sends ``quantized_nbytes(n) = n + 4⌈n/B⌉`` bytes a slot
   (int8 and one fp32 scale per block of B), ``(K-1)·quantized_nbytes(n)`` per rank.

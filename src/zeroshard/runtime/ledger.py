@@ -91,18 +91,3 @@ def optimizer_state_bytes(optimizer, params) -> int:
             if hasattr(value, "shape") and value.shape == p.shape and value.dim() > 0:
                 total += tensor_bytes(value)
     return total
-
-
-def measure(units, optimizer=None) -> dict[str, int]:
-    """``{category: bytes}`` held on this rank by ``units``: each unit's own account
-    (:meth:`Unit.memory`), plus the communication buffers in flight, counted once
-    where the units of a reduce bucket share one."""
-    out: Counter[str] = Counter({c: 0 for c in CATEGORIES})
-    in_flight: dict[int, object] = {}
-    for u in units:
-        out.update(u.memory(optimizer))
-        for t in u.buffers_in_flight():
-            base = t if t._base is None else t._base
-            in_flight[id(base)] = base
-    out["buffers"] += sum(tensor_bytes(t) for t in in_flight.values())
-    return dict(out)

@@ -1,4 +1,5 @@
-"""The process groups a sharded model uses, made once at ``zs.shard`` time.
+"""The process groups a sharded model uses, made once at ``zs.shard`` time and owned by
+one :class:`Mesh`: its axes' sizes come from ``spec/dims.py`` ([Note: dims]).
 
 [Note: hybrid sharding] The data-parallel group of N ranks is split into R = N / K
 *shard groups* of K consecutive ranks (a node, or a few), across which the stage's
@@ -23,75 +24,90 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..spec.dims import ParallelDims
 
-@dataclass
-class Groups:
-    """A rank's groups and its coordinates in each."""
 
-    dp: object
+@dataclass(frozen=True)
+class Mesh:
+    """One owner of a sharded model's process groups: every group, rank and size of
+    every axis, built once from the data-parallel group and the config; the collectives,
+    clipping, the non-finite check and checkpoints ask it (torchtitan's ``ParallelDims``
+    with its meshes; picotron's process-group manager)."""
+
+    dims: ParallelDims
+    """The axes' sizes (``spec/dims.py``): dp, shard group K, replicas R, hpZ's K2."""
+    dp_group: object
     """The data-parallel group (None: the world)."""
     dp_rank: int
     dp_world: int
-    shard: object
+    shard_group: object
     """The K ranks the stage shards over (the data-parallel group when K = N)."""
     shard_rank: int
     shard_world: int
-    replica: object
+    replica_group: object
     """The R ranks holding this rank's shard in the other shard groups (None if R = 1)."""
     replica_rank: int
     replica_world: int
-    reduce: object
-    """A twin of ``shard`` for gradient reductions only."""
-    secondary: object
+    reduce_group: object
+    """A twin of ``shard_group`` for gradient reductions only."""
+    secondary_group: object
     """hpZ: the K2 consecutive ranks of the shard group that hold a unit's weights
     between its forward and its backward (None without hpZ)."""
     secondary_rank: int
     secondary_world: int
-    control: object
-    """A host-side (gloo) twin of ``dp`` for fingerprints and agreements."""
+    """K2, or 0 without hpZ."""
+    control_group: object
+    """A host-side (gloo) twin of ``dp_group`` for fingerprints and agreements."""
+    global_ranks: tuple[int, ...]
+    """The world ranks of the data-parallel group, in its order."""
+    global_rank: int
+    group_name: str
+    """torch's name of the data-parallel group (keys in the rendezvous store)."""
+    timeout_s: float | None
+    """The data-parallel group's timeout (None: torch's default)."""
+    gloo: bool
+    """The data-parallel group runs on gloo (the engine's in-place collectives)."""
+
+    @classmethod
+    def build(cls, group, shard_group=None, secondary_group=None) -> Mesh:
+        """Every group of a model sharded over ``group`` as ``ZeroConfig.shard_group`` and
+        ``secondary_group`` ask. A collective of the whole world: every rank creates every
+        group, in one order."""
+        dp_world = dist.get_world_size(group)
+        dims = ParallelDims(dp_world, shard=shard_size(shard_group, dp_world),
+                            secondary=secondary_group)
+        g = _make_groups(group, dims.shard_size, dims.secondary_size)
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        timeout = timeout_of(group)
+        return cls(dims=dims, **g, global_rank=dist.get_rank(),
+                   global_ranks=tuple(dist.get_process_group_ranks(group) if group is not None
+                                      else range(dp_world)),
+                   group_name=dist.distributed_c10d._get_process_group_name(pg),
+                   timeout_s=timeout.total_seconds() if timeout is not None else None,
+                   gloo="gloo" in str(dist.get_backend(group)))
 
 
-def secondary_size(k2, k: int) -> int | None:
-    """K2 for ``ZeroConfig.secondary_group`` (hpZ), checked against the shard group."""
-    if k2 is None or k2 == k:
-        return None  # the secondary group would be the shard group: nothing to keep
-    if k % k2:
-        divisors = [d for d in range(1, k + 1) if k % d == 0]
-        raise ValueError(f"secondary_group={k2} does not divide the shard group's {k} ranks; "
-                         f"expected one of {divisors}")
-    return k2
-
-
-def shard_size(spec, dp_world: int) -> int:
-    """K for ``ZeroConfig.shard_group`` at ``dp_world`` ranks, checked to divide it."""
-    if spec is None:
-        k = dp_world
-    elif spec == "node":
-        k = int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
-    elif _is_mesh(spec):
+def shard_size(spec, dp_world: int) -> int | None:
+    """K for ``ZeroConfig.shard_group`` at ``dp_world`` ranks: "node" is the ranks per
+    machine, a DeviceMesh its "shard" dim; ``ParallelDims`` checks that K divides N."""
+    if spec == "node":
+        return int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
+    if _is_mesh(spec):
         names = tuple(spec.mesh_dim_names or ())
         if names != ("replicate", "shard"):
             raise ValueError(f"shard_group: a DeviceMesh with dims {names}; expected dims "
                              "('replicate', 'shard')")
-        k = spec.size(1)
         if spec.mesh.flatten().tolist() != list(range(dp_world)) or spec.size() != dp_world:
             raise ValueError("shard_group: the mesh must lay the data-parallel ranks out in "
                              "order, shard groups of consecutive ranks (init_device_mesh's "
                              f"layout); got {spec.mesh.tolist()}")
-    else:
-        k = spec
-    if dp_world % k:
-        divisors = [d for d in range(1, dp_world + 1) if dp_world % d == 0]
-        raise ValueError(f"shard_group={spec!r} gives shard groups of {k} ranks, which do not "
-                         f"divide the {dp_world} data-parallel ranks; expected one of "
-                         f"{divisors}, 'node' (ranks per machine) or None (all)")
-    return k
+        return spec.size(1)
+    return spec
 
 
-def make_groups(group, k: int, k2: int | None = None) -> Groups:
-    """Every group of a model sharded over ``group`` in shard groups of ``k`` (and, with
-    hpZ, secondary groups of ``k2`` inside each). A collective of the whole world: every
-    rank creates every group, in one order."""
+def _make_groups(group, k: int, k2: int | None) -> dict:
+    """The groups of shard groups of ``k`` (and, with hpZ, secondary groups of ``k2``
+    inside each), with this rank's coordinates in each, as :class:`Mesh`'s fields."""
     world = dist.get_world_size()
     dp_rank, dp_world = dist.get_rank(group), dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
@@ -108,17 +124,17 @@ def make_groups(group, k: int, k2: int | None = None) -> Groups:
     wanted += [("secondary", s) for s in seconds if len(s) < dp_world]
     mine_second = next((s for s in seconds if ranks[dp_rank] in s), None)
     made = _create_everywhere(wanted, timeout, full=len(ranks) == world)
-    return Groups(
-        dp=group, dp_rank=dp_rank, dp_world=dp_world,
-        shard=made[("shard", mine_shard)] if r > 1 else group,
+    return dict(
+        dp_group=group, dp_rank=dp_rank, dp_world=dp_world,
+        shard_group=made[("shard", mine_shard)] if r > 1 else group,
         shard_rank=dp_rank % k, shard_world=k,
-        replica=made[("replica", tuple(ranks[dp_rank % k::k]))] if r > 1 else None,
+        replica_group=made[("replica", tuple(ranks[dp_rank % k::k]))] if r > 1 else None,
         replica_rank=dp_rank // k, replica_world=r,
-        reduce=made[("reduce", mine_shard)],
-        secondary=(None if mine_second is None else group if len(mine_second) == dp_world
-                   else made[("secondary", mine_second)]),
+        reduce_group=made[("reduce", mine_shard)],
+        secondary_group=(None if mine_second is None else group
+                         if len(mine_second) == dp_world else made[("secondary", mine_second)]),
         secondary_rank=dp_rank % k2 if k2 else 0, secondary_world=k2 or 0,
-        control=made[("control", tuple(ranks))] if host else group)
+        control_group=made[("control", tuple(ranks))] if host else group)
 
 
 def _create_everywhere(wanted: list[tuple[str, tuple]], timeout, full: bool) -> dict:

@@ -96,12 +96,12 @@ def _saved(model, cfg: TrainConfig, step: int, path: Path, out) -> None:
     """Say where step ``step`` went; past ``keep_last`` checkpoints, rank 0 removes the
     oldest (the others wait, so no rank reads a folder being removed)."""
     removed = savedir.prune(cfg.save_dir, cfg.keep_last) if (
-        cfg.keep_last and model.comm.dp_rank == 0) else []
+        cfg.keep_last and model.mesh.dp_rank == 0) else []
     gone = f" (removed {', '.join(p.name for p in removed)}: keep_last={cfg.keep_last})" \
         if removed else ""
     out.note(f"step {step}: saved checkpoint {path}{gone}")
     if cfg.keep_last:
-        dist.barrier(model.comm.group)
+        dist.barrier(model.mesh.dp_group)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -245,7 +245,7 @@ def train(cfg: TrainConfig) -> dict:
         profile_report(model, cfg, source, micro, seq_len, rank, out)
     memories = [None] * world
     dist.all_gather_object(memories, held[0] if held else model.memory(optimizer))
-    out.summary(memories, comm, model.zero_config.recipe, model.comm.shard_world, unit_params)
+    out.summary(memories, comm, model.zero_config.recipe, model.mesh.shard_world, unit_params)
     if cfg.sample_chars:
         model.eval()
         out.sample(source.sample(model, device))

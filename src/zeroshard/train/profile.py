@@ -27,7 +27,7 @@ def predicted(model, arch, tokens: int, seq_len: int,
     tensors, not kernels' scratch), for ``tokens`` per rank per forward in sequences of
     ``seq_len``; ``loss_outside``: the loss is computed on the logits the model returns,
     where the profiler does not count its saved tensors (``Peak.unseen_loss``)."""
-    recipe, world = model.zero_config.recipe, model.comm.dp_world
+    recipe, world = model.zero_config.recipe, model.mesh.dp_world
     if not isinstance(arch, Architecture):
         arch = gpt_architecture(arch)
     device = model.units[0].device.type
@@ -36,7 +36,7 @@ def predicted(model, arch, tokens: int, seq_len: int,
     impl = "foreach" if device == "cuda" else "for-loop"  # torch's pick
     p = peak(ModelSpec.from_arch(arch), recipe, work, world, model.stage,
              model.zero_config.prefetch, optimizer_impl=impl,
-             shard_group=model.comm.shard_world, loss_outside=loss_outside)
+             shard_group=model.mesh.shard_world, loss_outside=loss_outside)
     return ({"params": p.weights, "grads": p.grads, "optimizer": p.optimizer,
              "activations": p.activations - p.unseen_loss}, p.profiled)
 
@@ -64,6 +64,6 @@ def profile_report(model, cfg, source, micro: int, seq_len: int, rank: int, out)
                                     _loss_outside(source))
     _, at = prof.peak()
     measured = {k: at.memory[k] for k in plan}
-    statements = [None] * model.comm.dp_world
-    dist.all_gather_object(statements, statement, group=model.comm.group)
+    statements = [None] * model.mesh.dp_world
+    dist.all_gather_object(statements, statement, group=model.mesh.dp_group)
     out.profile(folder, statements, plan, measured, prof.total(at), planned_total)

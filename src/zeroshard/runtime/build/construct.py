@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ...spec.policy import ShardPolicy
 from ..comm.collectives import Collectives
+from ..comm.context import CommContext
 from ..dist import default_device
 from ..events import Events
 from ..unit.unit import Unit
@@ -82,7 +83,8 @@ def broadcast_buffers(module: nn.Module, comm: Collectives) -> None:
 
 
 def build_units(module: nn.Module, inner: list[nn.Module], config, policy: ShardPolicy,
-                comm: Collectives, materializer, events: Events) -> list[Unit]:
+                comm: Collectives, ctx: CommContext, materializer,
+                events: Events) -> list[Unit]:
     """A parameter belongs to the innermost unit that contains every module that
     registers it: a weight tied across two units (embedding and output head) moves
     to their common ancestor, which is gathered while both use it."""
@@ -116,23 +118,26 @@ def build_units(module: nn.Module, inner: list[nn.Module], config, policy: Shard
             persistent += [n for n in names_ if module.get_parameter(n).numel() < threshold]
             names_[:] = [n for n in names_ if module.get_parameter(n).numel() >= threshold]
     recipe, device = config.recipe, default_device()
+    qualified = {id(m): n for n, m in module.named_modules()}
+
+    def unit(index: int, m: nn.Module, params, unit_policy: ShardPolicy) -> Unit:
+        return Unit(index, m, params, unit_policy, recipe, comm, ctx, device, events,
+                    name=qualified[id(m)] or type(module).__name__)
+
     units = []
     for m in order:
         if materializer is not None:  # this unit's modules, materialized now
             materializer.materialize([module.get_parameter(n) for n in groups[id(m)]])
         params = [(n, module.get_parameter(n)) for n in groups[id(m)]]
         if params or m is module:
-            units.append(Unit(len(units), m, params, policy, recipe, comm, device, events))
+            units.append(unit(len(units), m, params, policy))
     if persistent:  # whole on every rank (stage 2's layout inside a stage-3 model),
         # built last (their modules are materialized by now) and reduced last
         if materializer is not None:
             materializer.materialize([module.get_parameter(n) for n in persistent])
-        units.insert(0, Unit(len(units), module,
+        units.insert(0, unit(len(units), module,
                              [(n, module.get_parameter(n)) for n in persistent],
-                             policy.whole_params(), recipe, comm, device, events))
-    qualified = {id(m): n for n, m in module.named_modules()}
-    for u in units:
-        u.name = qualified[id(u.module)] or type(module).__name__
+                             policy.whole_params()))
     return units
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ...spec.formulas import GLOO_BROADCAST_MAX
 from ..ledger import Ledger
-from ..mesh import make_groups, secondary_size, shard_size, timeout_of
+from ..mesh import Mesh
 from . import watch
 from .quantize import (
     QUANT_BLOCK,
@@ -51,29 +51,11 @@ class Collectives:
     recorded in the ledger by kind and level: ``"inside"`` a shard group, or
     ``"across"`` shard groups (hybrid sharding's replica all-reduce)."""
 
-    def __init__(self, ledger: Ledger, group=None, check: bool = True, shard_group=None,
-                 secondary_group=None, quantize_weights: bool = False,
-                 quantize_grads: bool = False, quant_block: int = QUANT_BLOCK):
+    def __init__(self, ledger: Ledger, mesh: Mesh, check: bool = True,
+                 quantize_weights: bool = False, quantize_grads: bool = False,
+                 quant_block: int = QUANT_BLOCK):
         self.ledger = ledger
-        self.group = group  # the data-parallel group (None: the world)
-        self.dp_rank = dist.get_rank(group)
-        self.dp_world = dist.get_world_size(group)
-        k = shard_size(shard_group, self.dp_world)
-        g = make_groups(group, k, secondary_size(secondary_group, k))
-        self.shard_group, self.shard_rank, self.shard_world = g.shard, g.shard_rank, g.shard_world
-        self.replica_group, self.replica_rank, self.replica_world = (
-            g.replica, g.replica_rank, g.replica_world)
-        self.reduce_group = g.reduce  # gradient reductions inside the shard group only
-        self.secondary_group, self.secondary_rank, self.secondary_world = (
-            g.secondary, g.secondary_rank, g.secondary_world)  # hpZ (world 0: none)
-        self.control_group = g.control  # fingerprints and agreements
-        self.global_ranks = (dist.get_process_group_ranks(group) if group is not None
-                             else list(range(self.dp_world)))
-        self.global_rank = dist.get_rank()
-        self.group_name = dist.distributed_c10d._get_process_group_name(
-            group if group is not None else dist.distributed_c10d._get_default_group())
-        self.timeout_s = _timeout_s(group)
-        self._gloo = "gloo" in str(dist.get_backend(group))
+        self.mesh = mesh  # every group, rank and size (``mesh.py``)
         self.check = check  # fingerprint every collective ([Note: fingerprints])
         # ZeRO++'s qwZ and qgZ (``quantize.py``): int8 blocks with fp32 scales
         self.quant_weights, self.quant_grads, self.quant_block = (
@@ -91,7 +73,7 @@ class Collectives:
         if nbytes is None:  # a quantized collective says what it sends
             nbytes = t.numel() * t.element_size()
         if call is not None:  # an agreement is its fingerprint: recorded below
-            self.ledger.record(kind, nbytes, world or self.shard_world, level)
+            self.ledger.record(kind, nbytes, world or self.mesh.shard_world, level)
         self.seq += 1
         rec = None
         if self.trace is not None:
@@ -99,10 +81,10 @@ class Collectives:
             self.trace.append(rec)
         mine, rows, fp_work = watch.fingerprint(self, kind, unit, t.numel(), value), None, None
         if self.check or call is None:
-            rows = torch.empty(self.dp_world, watch.WIDTH, dtype=torch.int64)
-            self.ledger.record("check", rows.numel() * rows.element_size(), self.dp_world,
+            rows = torch.empty(self.mesh.dp_world, watch.WIDTH, dtype=torch.int64)
+            self.ledger.record("check", rows.numel() * rows.element_size(), self.mesh.dp_world,
                                "control")
-            fp_work = _all_gather(rows.view(-1), mine, group=self.control_group, async_op=True)
+            fp_work = _all_gather(rows.view(-1), mine, group=self.mesh.control_group, async_op=True)
         ticket = _Ticket(self, call() if call is not None else None, mine, fp_work, rows, rec)
         if not async_op:
             ticket.wait()
@@ -114,7 +96,7 @@ class Collectives:
         """Reduce ``t`` in place (a sum unless ``op`` says otherwise) over the shard group:
         what every rank's shards add up to. With ``grads``, over the whole data-parallel
         group (every rank's gradients): on the reduction group, then across replicas."""
-        group = self.reduce_group if grads else self.shard_group
+        group = self.mesh.reduce_group if grads else self.mesh.shard_group
         inside = self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
             t, op=op, group=group, async_op=True), True)
         return self._then_across(inside, t, None, unit, grads, async_op)
@@ -127,25 +109,25 @@ class Collectives:
         the same bits as dividing after it). On gloo ``inp`` is summed in place (every
         slot: it holds the shard group's sums afterwards) and the slot lands in ``out``
         divided and copied in one pass."""
-        n, k = self.dp_world, self.shard_world
-        divisor = n if mean and self.replica_group is None else None  # hybrid: after across
+        n, k = self.mesh.dp_world, self.mesh.shard_world
+        divisor = n if mean and self.mesh.replica_group is None else None  # hybrid: after across
         if self.quant_grads and k > 1:  # qgZ: an all-to-all of int8 blocks, summed in fp32
             def call():
-                return quantized_reduce_scatter(out.view(-1), inp.view(-1), self.reduce_group,
+                return quantized_reduce_scatter(out.view(-1), inp.view(-1), self.mesh.reduce_group,
                                                 self.quant_block, mean_divisor=divisor,
                                                 async_op=True)
             inside = self._issue("reduce_scatter", inp, unit, call, True,
                                  nbytes=k * quantized_nbytes(out.numel(), self.quant_block))
         elif self._on_gloo(inp):  # [Note: gloo]
             def call():
-                work = dist.all_reduce(inp, group=self.reduce_group, async_op=True)
-                slot, dst = inp.view(k, -1)[self.shard_rank], out.view(-1)
+                work = dist.all_reduce(inp, group=self.mesh.reduce_group, async_op=True)
+                slot, dst = inp.view(k, -1)[self.mesh.shard_rank], out.view(-1)
                 return _Then(work, then=(lambda: torch.div(slot, divisor, out=dst)) if divisor
                              else (lambda: dst.copy_(slot)))
             inside = self._issue("reduce_scatter", inp, unit, call, True)
         else:
             def call():
-                work = _reduce_scatter(out.view(-1), inp.view(-1), group=self.reduce_group,
+                work = _reduce_scatter(out.view(-1), inp.view(-1), group=self.mesh.reduce_group,
                                        async_op=True)
                 return _Then(work, then=(lambda: out.div_(divisor)) if divisor else None)
             inside = self._issue("reduce_scatter", inp, unit, call, True)
@@ -159,7 +141,7 @@ class Collectives:
         ``mesh.py``): one waitable for both, whose ``advance()`` lands the first and
         issues the second without waiting for it, so it overlaps what follows."""
         work = (_Across(self, inside, t, divisor, unit)
-                if grads and self.replica_group is not None else inside)
+                if grads and self.mesh.replica_group is not None else inside)
         if not async_op:
             work.wait()
             return None
@@ -170,15 +152,15 @@ class Collectives:
         """``out`` (K × ``inp``) receives every shard-group rank's ``inp`` in rank order;
         with ``secondary`` (hpZ), every secondary-group rank's (K2 × ``inp``). Stage 3's
         gathers of the ``weights`` are quantized under qwZ."""
-        k, group = self.shard_world, self.shard_group
+        k, group = self.mesh.shard_world, self.mesh.shard_group
         if weights and self.quant_weights and not secondary and k > 1:
             return self._issue("all_gather", out, unit, lambda: quantized_all_gather(
                 out.view(-1), inp.view(-1), group, self.quant_block, async_op=True), async_op,
                 nbytes=k * quantized_nbytes(inp.numel(), self.quant_block))
         if secondary:
-            k, group = self.secondary_world, self.secondary_group
-        rank = self.secondary_rank if secondary else self.shard_rank
-        if self._gloo and out.device.type == "cpu" and 1 < k <= GLOO_BROADCAST_MAX:  # gloo
+            k, group = self.mesh.secondary_world, self.mesh.secondary_group
+        rank = self.mesh.secondary_rank if secondary else self.mesh.shard_rank
+        if self.mesh.gloo and out.device.type == "cpu" and 1 < k <= GLOO_BROADCAST_MAX:  # gloo
             def call():
                 slots = out.view(k, -1)  # [K, numel(inp)]
                 if slots[rank].data_ptr() != inp.data_ptr():
@@ -200,18 +182,15 @@ class Collectives:
         return lambda: (ticket.wait(), ticket.rows[:, -1].tolist())[1]
 
     def _on_gloo(self, t: torch.Tensor) -> bool:
-        return self._gloo and t.device.type == "cpu" and self.shard_world > 1
+        return self.mesh.gloo and t.device.type == "cpu" and self.mesh.shard_world > 1
 
     def broadcast(self, t: torch.Tensor, src: int = 0):
         """Copy rank ``src``'s ``t`` to every rank."""
-        root = dist.get_global_rank(self.group, src) if self.group is not None else src
+        group = self.mesh.dp_group
+        root = dist.get_global_rank(group, src) if group is not None else src
         return self._issue("broadcast", t, None, lambda: dist.broadcast(
-            t, src=root, group=self.group, async_op=True), False, world=self.dp_world)
+            t, src=root, group=group, async_op=True), False, world=self.mesh.dp_world)
 
-
-def _timeout_s(group) -> float | None:
-    timeout = timeout_of(group)
-    return timeout.total_seconds() if timeout is not None else None
 
 
 class _Then:
@@ -244,9 +223,9 @@ class _Across:
     def advance(self) -> None:
         if self.across is None:
             self.inside.wait()
-            comm, t = self.comm, self.t
+            comm, t, mesh = self.comm, self.t, self.comm.mesh
             self.across = comm._issue("all_reduce", t, self.unit, lambda: dist.all_reduce(
-                t, group=comm.replica_group, async_op=True), True, world=comm.replica_world,
+                t, group=mesh.replica_group, async_op=True), True, world=mesh.replica_world,
                 level="across")
 
     def wait(self) -> None:

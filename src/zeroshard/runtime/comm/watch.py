@@ -103,7 +103,7 @@ def wait(work, comm, row: torch.Tensor | None) -> None:
 
 def _timeout_message(comm, row, exc) -> str:
     waiting = describe(comm, row.tolist()) if row is not None else "a collective"
-    timeout = comm.timeout_s
+    timeout = comm.mesh.timeout_s
     silent, seen = _roll_call(comm, waiting, grace=min(5.0, max(1.0, (timeout or 10) / 2)))
     if silent is None:
         who = "the rendezvous store did not answer either (the rank hosting it, usually " \
@@ -115,9 +115,9 @@ def _timeout_message(comm, row, exc) -> str:
     else:
         who = "every rank answered (they were all waiting; a rank issued fewer collectives)"
     others = "".join(f"\n  rank {r} was waiting for {w}" for r, w in sorted(seen.items())
-                     if r != comm.dp_rank)
+                     if r != comm.mesh.dp_rank)
     limit = f"{timeout:g} s" if timeout else "the group's timeout"
-    return (f"rank {comm.dp_rank} waited {limit} for {waiting}; {who}.{others}\n"
+    return (f"rank {comm.mesh.dp_rank} waited {limit} for {waiting}; {who}.{others}\n"
             f"If a rank is only slow (a long first compile, a slow filesystem), raise the "
             f"timeout: zs.init_distributed(timeout_s=...), zeroshard train --timeout "
             f"SECONDS, or \"timeout\" in the trainer's --config. ({exc})")
@@ -130,9 +130,9 @@ def _roll_call(comm, waiting: str, grace: float):
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(timedelta(seconds=grace))
-        prefix = f"zeroshard/timeout/{comm.group_name}/"
-        store.set(prefix + str(comm.global_rank), json.dumps(waiting))
-        keys = {r: prefix + str(g) for r, g in enumerate(comm.global_ranks)}
+        prefix = f"zeroshard/timeout/{comm.mesh.group_name}/"
+        store.set(prefix + str(comm.mesh.global_rank), json.dumps(waiting))
+        keys = {r: prefix + str(g) for r, g in enumerate(comm.mesh.global_ranks)}
         deadline = time.monotonic() + grace
         answered: set[int] = set()
         while True:

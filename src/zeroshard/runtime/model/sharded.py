@@ -1,49 +1,54 @@
 """The sharded model: the ordinary training loop over ZeRO stage 0-3.
 
 [Note: the step cycle] One optimizer step is a *cycle* of one or more backward passes
-(``cycle.py`` names its states):
+(``step/cycle.py`` names its states):
 
 1. forward: where parameters are sharded (stage 3) each unit is gathered in its
    pre-forward hook and released in its post-forward hook, which also arms a hook on
    its outputs that gathers it again when backward reaches it (FSDP's pre-backward
-   hook); ``prefetch.py`` issues the next gathers early.
+   hook); ``schedule/prefetch.py`` issues the next gathers early.
 2. backward: each unit's gradients are reduced as soon as it is done, in one order on
-   every rank (``backward.py``), packed into one buffer per unit (``reduce.py``).
+   every rank (``schedule/backward.py``), packed into one buffer per unit
+   (``schedule/reduce.py``).
 3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
-   its gradient; the post-hook brings the compute weights up to date (``policy.py``:
-   a cast, or an all-gather awaited in the next forward).
+   its gradient; the post-hook brings the compute weights up to date
+   (``spec/policy.py``: a cast, or an all-gather awaited in the next forward).
+
+:class:`ShardedModel` builds its collaborators once and owns them: the mesh (every
+process group), the collectives and their comm context, the units, the reducer and the
+prefetcher (the order of a pass's collectives), the step cycle, the hooks that drive the
+passes (``hooks.py``) and the stepper (``step/stepping.py``). Its public methods are
+the ordinary ``nn.Module`` surface plus the engine's few additions.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from ...spec.config import ZeroConfig
-from ...spec.policy import ShardPolicy
-from ..build.construct import broadcast_buffers, broadcast_state, build_units, check_same_model
+from ..build.construct import broadcast_state, build_units, check_same_model
 from ..build.materialize import Materializer, has_meta
 from ..build.units import select_units
 from ..comm.collectives import Collectives
+from ..comm.context import CommContext
 from ..dist import default_device
 from ..events import Events
 from ..ledger import Ledger
+from ..mesh import Mesh
 from ..schedule.backward import Reducer
 from ..schedule.prefetch import Prefetcher
-from ..step.cycle import CycleState, StepCycle
+from ..step.cycle import StepCycle
 from ..step.optim import register_for_step_hooks
-from ..step.stepping import Stepping
-from ..unit.unit import Unit
-from .readout import Readout
+from ..step.stepping import Stepper
+from . import readout
+from .hooks import PassHooks
 
 
-class ShardedModel(Stepping, Readout, nn.Module):
+class ShardedModel(nn.Module):
     """A model whose training state is sharded per :class:`ZeroConfig`.
 
     ``parameters()`` yields what this rank's optimizer owns: shards under the original
@@ -65,7 +70,7 @@ class ShardedModel(Stepping, Readout, nn.Module):
         self.zero_config = config
         """The :class:`ZeroConfig` this model was sharded with (``model.config`` is the
         wrapped module's, as for every attribute the sharded model does not have)."""
-        self.policy = ShardPolicy.from_config(config)
+        self.policy = config.policy
         self.events = Events()
         """Lifecycle events (``events.py``); the profiler subscribes here."""
         self.ledger = Ledger()
@@ -73,18 +78,19 @@ class ShardedModel(Stepping, Readout, nn.Module):
         # meta tensors stay where they are: units materialize them one at a time
         module._apply(lambda t: t if t.is_meta else t.to(device))
         check_same_model(module, config)
-        self.comm = Collectives(self.ledger, group, check=config.check_collectives,
-                                shard_group=config.shard_group,
-                                secondary_group=config.secondary_group,
+        self.mesh = Mesh.build(group, config.shard_group, config.secondary_group)
+        """Every process group, rank and size of this model (``runtime/mesh.py``)."""
+        self.comm = Collectives(self.ledger, self.mesh, check=config.check_collectives,
                                 quantize_weights=config.quantize_weights,
                                 quantize_grads=config.quantize_grads,
                                 quant_block=config.quant_block)
+        self.ctx = CommContext()
         if config.sync_module_states:
             with torch.no_grad():
                 broadcast_state(module, self.comm)
         materializer = Materializer(module, device, seed, param_init) if has_meta(module) else None
         self.units = build_units(module, select_units(module, config.units), config, self.policy,
-                                 self.comm, materializer, self.events)
+                                 self.comm, self.ctx, materializer, self.events)
         if materializer is not None:
             materializer.finish()
         self._shard_ids = {id(s) for u in self.units for s in u.shards}
@@ -95,12 +101,12 @@ class ShardedModel(Stepping, Readout, nn.Module):
         self.reducer = Reducer(self.units, config.reduce_bucket_size)
         self.comm.unit_names = [u.name for u in self.units]
         self.cycle = StepCycle()
-        self._init_stepping()
-        self._prefetch = Prefetcher(config.prefetch, config.prefetch_bucket_size)
+        self.prefetcher = Prefetcher(config.prefetch, config.prefetch_bucket_size)
+        self.stepper = Stepper(self.units, self.comm, self.reducer, self.cycle, self.policy,
+                               config, self.events, self._named_shards)
         self.profiler = None
         """The profiler, when ``zs.shard(..., profile=True)`` attached one."""
-        self._hold = False  # inside gathered(): stage-3 units stay gathered
-        self._register_hooks()
+        self.hooks = PassHooks(self)
         register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up
         self.comm.phase = "between steps"
@@ -110,27 +116,7 @@ class ShardedModel(Stepping, Readout, nn.Module):
         """The ZeRO stage (for reports; the engine asks ``policy``)."""
         return self.policy.stage
 
-    # -- construction ---------------------------------------------------------------
-    def _register_hooks(self) -> None:
-        # the root's hooks run first and last: every forward of the module, through this
-        # model or through a method of the module itself (generate), is prepared alike
-        self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True,
-                                              prepend=True)
-        self.module.register_forward_hook(self._root_post_forward, with_kwargs=True)
-        owner, handles = weakref.ref(self), []
-        weakref.finalize(self, _remove_hooks, handles)
-        for k, u in enumerate(self.units):
-            # A tensor's hooks are held from C++, where the cycle collector cannot see
-            # them: a hook holding the engine or a unit would keep both (and their
-            # process groups) alive for the life of the interpreter. So they hold it
-            # weakly, and go with it.
-            for i in u.trainable:
-                handles.append(u.params[i].register_post_accumulate_grad_hook(
-                    functools.partial(_grad_hook, owner, k)))
-            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
-
-    # -- forward and backward -------------------------------------------------------
+    # -- the training loop ----------------------------------------------------------
     def forward(self, *args, **kwargs):
         if self.events.listeners:
             with self.events.forward_context():
@@ -149,78 +135,6 @@ class ShardedModel(Stepping, Readout, nn.Module):
                 raise
             return getattr(module, name)
 
-    def _root_pre_forward(self, module, args, kwargs):
-        if torch._C._current_graph_task_id() != -1:
-            return None  # activation checkpointing's recompute
-        self.comm.phase = "forward"
-        for u in self.units:
-            u.wait_sync()
-        if torch.is_grad_enabled() and self.cycle.state is CycleState.FINAL:
-            for u in self.units:  # another micro-batch: its backward makes them anew
-                u.drop_step_grads()
-        if self.zero_config.broadcast_buffers and torch.is_grad_enabled() and self.reducer.sync:
-            broadcast_buffers(module, self.comm)  # as torch DDP, before every forward
-        dtype = self.units[0].compute_dtype
-        if dtype == torch.float32:
-            return None
-        # inputs follow the compute dtype (FSDP2: cast_forward_inputs)
-        cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
-        return tree_map(cast, args), tree_map(cast, kwargs)
-
-    def _root_post_forward(self, module, args, kwargs, out):
-        if torch._C._current_graph_task_id() != -1:
-            return
-        self._prefetch.end_pass("forward")
-        tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: self._on_backward_begin(), mode="any")
-
-    def _pre_forward(self, unit: Unit) -> None:
-        self.events.emit("forward_begin", unit)
-        if not unit.policy.shards_params or self._hold:
-            return
-        if torch._C._current_graph_task_id() != -1:
-            unit.gather()  # activation checkpointing's recompute: not a forward pass
-        else:
-            self._prefetch.use(unit, "forward")
-
-    def _post_forward(self, unit: Unit, out) -> None:
-        self.events.emit("forward_end", unit)
-        if (not unit.policy.shards_params or self._hold
-                or torch._C._current_graph_task_id() != -1):
-            return  # activation checkpointing recomputes inside backward: keep it gathered
-        unit.release(keep_secondary=torch.is_grad_enabled())  # hpZ: for its backward
-        tensors = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads: self._pre_backward(unit), mode="any")
-
-    def _pre_backward(self, unit: Unit) -> None:
-        self.events.emit("backward_begin", unit)
-        self._prefetch.use(unit, "backward")
-
-    def _on_backward_begin(self) -> None:
-        if self.cycle.state is CycleState.BACKWARD:
-            return  # another output of the same backward
-        if self._hold:
-            raise ValueError("a backward pass began inside model.gathered(), which holds "
-                             "the full weights for inference: train outside it")
-        new_cycle = self.cycle.new_cycle
-        self.cycle.advance("backward_begin")
-        self.comm.phase = "backward"
-        self._stepped_by = None
-        self._cycle_norm = self._verdict = None  # this backward changes the gradients
-        self.reducer.begin(new_cycle)
-        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-
-    def _on_backward_end(self) -> None:
-        self.reducer.end()
-        self._prefetch.end_pass("backward")
-        self.cycle.advance("backward_end" if self.reducer.sync else "backward_end_unreduced")
-        if self.reducer.sync:  # shards hold their reduced .grad once backward ends (FSDP2)
-            self._finalize_grads()
-
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally, with no communication, until the context exits.
@@ -234,7 +148,113 @@ class ShardedModel(Stepping, Readout, nn.Module):
         finally:
             self.reducer.sync = True
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip by the global norm over all ranks' shards (padding never counts); return
+        the norm (see :func:`zeroshard.runtime.step.clip.clip_grad_norm`). A non-finite
+        norm raises with ``error_if_nonfinite`` (as torch's), and otherwise leaves the
+        decision to ``ZeroConfig.nonfinite`` at the step, with no further exchange."""
+        return self.stepper.clip(max_norm, norm_type, error_if_nonfinite)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the shards' gradients and start a new accumulation cycle."""
+        self.stepper.zero_grad()
+        super().zero_grad(set_to_none)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped ones included): every rank counts alike."""
+        return self.stepper.steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (``nonfinite="skip"``, or a loss scaler)."""
+        return self.stepper.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest optimizer step was skipped for non-finite gradients."""
+        return self.stepper.last_step_skipped
+
+    @property
+    def loss_scaler(self):
+        """The :class:`~zeroshard.runtime.step.scaler.GradScaler` made for this model,
+        if any."""
+        return self.stepper.loss_scaler
+
+    # -- weights in and out ---------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the communication a step leaves in flight: at stages 1-2, the
+        all-gathers that bring the compute weights up to date (the next forward waits
+        for them itself). For timing a step whole, or reading the weights in between."""
+        for u in self.units:
+            u.wait_sync()
+
+    def refresh_compute(self) -> None:
+        """Recompute every compute weight from the shards (after the shards were
+        written directly, as a checkpoint load does). A collective at stages 1-2."""
+        for u in self.units:
+            u.refresh_compute()
+        self.synchronize()
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        """This rank's rows of every parameter (the master where there is one) and the
+        persistent buffers, under the module's own names; no collective
+        ([Note: state dict] in ``model/readout.py``). ``full_state_dict()`` gathers full
+        weights."""
+        return readout.state_dict_of(self, destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load this rank's rows, or full tensors, per key; master, shards and compute
+        weights agree afterwards. Every rank calls it (a collective at stages 1-2)."""
+        if assign:
+            raise NotImplementedError("load_state_dict(assign=True) would replace the shards "
+                                      "the optimizer holds; load with assign=False")
+        return readout.load_into(self, state_dict, strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded weights (the fp32 master where there is one) and buffers under
+        their original names. A collective: every rank must call it. With
+        ``broadcast_buffers`` the buffers are rank 0's (broadcast first, as the next
+        forward would), so every rank returns the same state."""
+        return readout.full_state_dict(self)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Hold every unit's full weights for the context: forwards inside it (for
+        example ``model.generate(...)``) issue no collective, so ranks may run different
+        numbers of them. Entering is a collective (stage 3 gathers each unit once);
+        the weights are released at exit. For inference: a backward inside is refused."""
+        self.synchronize()
+        held = [u for u in self.units if u.policy.shards_params]
+        for u in held:
+            u.gather()
+        try:
+            with self.hooks.holding():
+                yield self
+        finally:
+            for u in held:
+                u.release()
+
     # -- inspection -----------------------------------------------------------------
+    def memory(self, optimizer=None, by_placement: bool = False) -> dict:
+        """Bytes on this rank per category: params, grads, optimizer (master + state of
+        ``optimizer``), padding, and the transient gathered and buffers. With
+        ``by_placement``, ``{"device": {...}, "host": {...}, "disk": {...}}``: what
+        offload keeps in host memory apart (``ZeroConfig.offload``), and what disk
+        offload keeps in files (``ZeroConfig.offload_dir``; the host then holds the
+        step's sub-group buffers)."""
+        return readout.memory(self, optimizer, by_placement)
+
+    def comm_stats(self, reset: bool = False, by_level: bool = False) -> dict:
+        """Per collective kind: calls and bytes this rank sent (ring accounting). With
+        ``by_level``, per level first: ``"inside"`` the shard groups, ``"across"`` them
+        (hybrid sharding's replica all-reduce), ``"control"`` (the engine's checks)."""
+        stats = self.ledger.by_level() if by_level else self.ledger.comm_stats()
+        if reset:
+            self.ledger.reset()
+        return stats
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
         for name, shard in self._named_shards:
@@ -257,15 +277,3 @@ class ShardedModel(Stepping, Readout, nn.Module):
         """Whether any of ``ids`` is a parameter of the module as it was before
         sharding (an optimizer built before ``zs.shard`` holds those)."""
         return not self._original_ids.isdisjoint(ids)
-
-
-def _remove_hooks(handles: list) -> None:
-    for h in handles:
-        h.remove()
-
-
-def _grad_hook(owner: weakref.ref, k: int, param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook of a trainable parameter of ``owner().units[k]``."""
-    model = owner()
-    if model is not None:
-        model.reducer.on_grad(model.units[k])

@@ -46,16 +46,9 @@ class Reducer:
 
     def on_grad(self, unit: Unit) -> None:
         """A trainable parameter of ``unit`` has accumulated its gradient."""
-        unit.pending_grads -= 1
-        if unit.pending_grads == 0:
-            self._unit_done(unit)
-
-    def _unit_done(self, unit: Unit) -> None:
-        unit.ready = True
-        unit.events.emit("backward_end", unit)
-        if unit.policy.shards_params:
-            unit.release()
-        self._issue_ready()
+        if unit.grad_arrived():
+            unit.backward_done()
+            self._issue_ready()
 
     def _issue_ready(self, flush: bool = False) -> None:
         """Issue reductions strictly in ``order``: the same sequence on every rank."""
@@ -92,12 +85,12 @@ class Reducer:
         bucket goes, and units gathered but not used by this backward are released."""
         for u in self.order[self._next:]:
             if not u.ready:
-                self._unit_done(u)
+                u.backward_done()
         self._issue_ready(flush=True)
         for u in self.units:
             if u.policy.shards_params and u.state is not UnitState.SHARDED:
                 u.release()  # used by no backward this step, or prefetched and unused
-            u.w_secondary = None  # hpZ: a unit this backward did not reach keeps none
+            u.drop_secondary()  # hpZ: a unit this backward did not reach keeps none
 
     def finalize(self, unreduced: bool) -> None:
         """Finish every reduction and give each shard its gradient; ``unreduced``: the

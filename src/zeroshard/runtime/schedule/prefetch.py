@@ -44,8 +44,7 @@ class Prefetcher:
             if self.bucket and held > self.bucket and nxt is not order[k + 1]:
                 break
             if nxt.state is UnitState.SHARDED:
-                nxt.start_gather()
-                nxt.prefetched = True
+                nxt.start_gather(prefetch=True)
 
     def end_pass(self, phase: str) -> None:
         """This pass's order becomes the one the next pass prefetches by."""

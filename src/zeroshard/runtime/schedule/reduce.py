@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..unit.readout import local_grads
 from ..unit.unit import Unit
 
 
@@ -27,10 +28,10 @@ def issue_reduce(units: list[Unit]) -> None:
     if not units:
         return
     first = units[0]  # the units of a model share one policy and one recipe
-    n, comm = first.comm.shard_world, first.comm  # slots: the shard group's ranks
+    n, comm = first.comm.mesh.shard_world, first.comm  # slots: the shard group's ranks
     tensors, spans, base = [], [], 0
     for u in units:
-        grads, flags = u.local_grads()
+        grads, flags = local_grads(u)
         tensors += grads + [flags.expand(n, len(u.trainable))]
         width = u.r_layout.slot_numel + len(u.trainable)
         spans.append((base, base + width))

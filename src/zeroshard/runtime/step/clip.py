@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..unit.readout import norm_grads
+
 
 def check_clip_args(max_norm, norm_type) -> None:
     """A ValueError naming a ``max_norm`` or ``norm_type`` that cannot be clipped by."""
@@ -26,11 +28,11 @@ def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip by the global norm over all ranks' shards (padding never counts); return
     the norm. Each rank sums ``|g|^p`` over the rows it owns — where its shard is whole
-    (stage 0) over the rows it *would* own at N ranks (``Unit.norm_grads``) — and one
+    (stage 0) over the rows it *would* own at N ranks (``unit/readout.norm_grads``) — and one
     all-reduce adds them, so every stage computes the same norm bit for bit."""
     norm_type = float(norm_type)
     parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
-             for u in units for g in u.norm_grads()]
+             for u in units for g in norm_grads(u)]
     grads = [u.shards[i].grad for u in units for i in u.trainable
              if u.shards[i].grad is not None]
     local = (torch.stack(parts).to(units[0].device) if parts else  # (offload: from the host)

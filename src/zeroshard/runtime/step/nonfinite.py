@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..unit.readout import norm_grads
+
 
 class NonFiniteGradients(FloatingPointError):
     """The reduced gradients of a step hold a NaN or an inf (``nonfinite="raise"``)."""
@@ -27,7 +29,7 @@ def first_bad_unit(units) -> int:
     synchronisation."""
     grads, owner = [], []
     for k, u in enumerate(units):
-        for g in u.norm_grads():
+        for g in norm_grads(u):
             if g.numel():
                 grads.append(g)
                 owner.append(k)

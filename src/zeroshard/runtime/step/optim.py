@@ -75,16 +75,16 @@ def _owners(optimizer):
 
 def _pre_step(optimizer, args, kwargs) -> None:
     for m in _owners(optimizer):
-        m.before_step(optimizer)
+        m.stepper.before_step(optimizer)
 
 
 def _post_step(optimizer, args, kwargs) -> None:
     for m in _owners(optimizer):
-        m.after_step()
+        m.stepper.after_step()
 
 
 def register_for_step_hooks(model) -> None:
-    """Let ``model.before_step(opt)`` / ``model.after_step()`` run around every step
+    """Let ``model.stepper.before_step(opt)`` / ``after_step()`` run around every step
     of an optimizer that holds its shards (and ``torch.nn.utils.clip_grad_norm_`` clip
     its shards by the global norm, ``clip.py``). The hooks are installed once per process:
     every torch optimizer's step passes through them, and they act only for the live

@@ -63,7 +63,7 @@ class GradScaler:
         self._good = 0  # good steps since the last growth or overflow
         self._overflows = 0  # overflows in a row not yet acted on (hysteresis)
         self._found_inf: bool | None = None  # this cycle's verdict, once unscaled
-        model.loss_scaler = self
+        model.stepper.attach_scaler(self)
 
     def get_scale(self) -> float:
         return self._scale if self.enabled else 1.0
@@ -81,14 +81,14 @@ class GradScaler:
         if self._found_inf is not None:
             raise RuntimeError("unscale_() has already been called since the last update()")
         model = self.model
-        model._finalize_grads()
+        model.stepper.finalize_grads()
         grads = [s.grad for _, s in model.named_shards() if s.grad is not None]
         if grads:
             torch._foreach_mul_(grads, 1.0 / self._scale)
         found = model.comm.agree(first_bad_unit(model.units))()
         self._found_inf = any(found)
-        model._verdict = ("skip" if self._found_inf else "step",
-                          f"fp16 overflow at loss scale {self._scale:g}")
+        model.stepper.set_verdict(self._found_inf,
+                                  f"fp16 overflow at loss scale {self._scale:g}")
 
     def step(self, optimizer, *args, **kwargs):
         """``optimizer.step()``, which the engine turns into a skip on every rank after

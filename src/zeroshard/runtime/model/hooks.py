@@ -1,0 +1,149 @@
+"""The hooks that drive a sharded model's passes ([Note: the step cycle] in
+``sharded.py``): before and after the whole module's forward, before and after each
+unit's, when backward reaches a unit's outputs, when a trainable parameter's gradient
+has accumulated, and when backward begins and ends. Each hook asks the unit, the
+prefetcher, the reducer, the cycle or the stepper to act; it keeps no state of its own
+but whether ``gathered()`` holds the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..build.construct import broadcast_buffers
+from ..step.cycle import CycleState
+from ..unit.unit import Unit
+
+
+def _recomputing() -> bool:
+    """Inside backward: activation checkpointing recomputes a forward there."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _needing_grad(out) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad]
+
+
+class PassHooks:
+    """Forward and backward hooks of one sharded model."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.hold = False  # inside gathered(): stage-3 units stay gathered
+        # the root's hooks run first and last: every forward of the module, through the
+        # model or through a method of the module itself (generate), is prepared alike
+        model.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True,
+                                               prepend=True)
+        model.module.register_forward_hook(self._root_post_forward, with_kwargs=True)
+        owner, handles = weakref.ref(model), []
+        weakref.finalize(model, _remove_hooks, handles)
+        for k, u in enumerate(model.units):
+            # A tensor's hooks are held from C++, where the cycle collector cannot see
+            # them: a hook holding the engine or a unit would keep both (and their
+            # process groups) alive for the life of the interpreter. So they hold it
+            # weakly, and go with it.
+            for i in u.trainable:
+                handles.append(u.params[i].register_post_accumulate_grad_hook(
+                    functools.partial(_grad_hook, owner, k)))
+            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Stage-3 units stay gathered for the context (``model.gathered()``)."""
+        self.hold = True
+        try:
+            yield
+        finally:
+            self.hold = False
+
+    def _root_pre_forward(self, module, args, kwargs):
+        if _recomputing():
+            return None
+        m = self.model
+        m.comm.phase = "forward"
+        for u in m.units:
+            u.wait_sync()
+        if torch.is_grad_enabled() and m.cycle.state is CycleState.FINAL:
+            for u in m.units:  # another micro-batch: its backward makes them anew
+                u.drop_step_grads()
+        if m.zero_config.broadcast_buffers and torch.is_grad_enabled() and m.reducer.sync:
+            broadcast_buffers(module, m.comm)  # as torch DDP, before every forward
+        dtype = m.units[0].compute_dtype
+        if dtype == torch.float32:
+            return None
+        # inputs follow the compute dtype (FSDP2: cast_forward_inputs)
+        cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _root_post_forward(self, module, args, kwargs, out):
+        if _recomputing():
+            return
+        self.model.prefetcher.end_pass("forward")
+        tensors = _needing_grad(out)
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: self._on_backward_begin(), mode="any")
+
+    def _pre_forward(self, unit: Unit) -> None:
+        unit.events.emit("forward_begin", unit)
+        if not unit.policy.shards_params or self.hold:
+            return
+        if _recomputing():
+            unit.gather()  # activation checkpointing's recompute: not a forward pass
+        else:
+            self.model.prefetcher.use(unit, "forward")
+
+    def _post_forward(self, unit: Unit, out) -> None:
+        unit.events.emit("forward_end", unit)
+        if not unit.policy.shards_params or self.hold or _recomputing():
+            return  # activation checkpointing recomputes inside backward: keep it gathered
+        unit.release(keep_secondary=torch.is_grad_enabled())  # hpZ: for its backward
+        tensors = _needing_grad(out)
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads: self._pre_backward(unit), mode="any")
+
+    def _pre_backward(self, unit: Unit) -> None:
+        unit.events.emit("backward_begin", unit)
+        self.model.prefetcher.use(unit, "backward")
+
+    def _on_backward_begin(self) -> None:
+        m = self.model
+        if m.cycle.state is CycleState.BACKWARD:
+            return  # another output of the same backward
+        if self.hold:
+            raise ValueError("a backward pass began inside model.gathered(), which holds "
+                             "the full weights for inference: train outside it")
+        new_cycle = m.cycle.new_cycle
+        m.cycle.advance("backward_begin")
+        m.comm.phase = "backward"
+        m.stepper.backward_begins()
+        m.reducer.begin(new_cycle)
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        m = self.model
+        m.reducer.end()
+        m.prefetcher.end_pass("backward")
+        m.cycle.advance("backward_end" if m.reducer.sync else "backward_end_unreduced")
+        if m.reducer.sync:  # shards hold their reduced .grad once backward ends (FSDP2)
+            m.stepper.finalize_grads()
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
+def _grad_hook(owner: weakref.ref, k: int, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of a trainable parameter of ``owner().units[k]``."""
+    model = owner()
+    if model is not None:
+        model.reducer.on_grad(model.units[k])
+
