@@ -290,7 +290,7 @@ def _save(page, name: str, tmp_path: Path) -> Path:
 
 
 def test_screenshots_wide_and_narrow(browser, tmp_path):
-    """The README's pictures: the default plan at desktop width and at 360 px."""
+    """The planner page's pictures (docs/plan.md): the default plan, wide and at 360 px."""
     page_file = write_page(tmp_path / "plan.html")
     for width, name in ((1600, "planner-page.png"), (360, "planner-page-narrow.png")):
         s = Session(browser, page_file, width)

@@ -104,7 +104,7 @@ class ZeroConfig:
     hpZ does not keep them) send int8 in blocks of ``quant_block`` with one fp32 scale
     per block, about 1/4 of bf16's bytes; every rank computes with the dequantized
     weights (its own slot included), so ranks stay alike. An approximation of the
-    exact run: README states the loss drift measured."""
+    exact run: docs/engine.md states the loss drift measured."""
     quantize_grads: bool = False
     """Stages 1-3, qgZ (ZeRO++): the gradients' reduce-scatter inside the shard group is
     an all-to-all of int8 blocks with fp32 scales, dequantized and summed in fp32 in
