@@ -22,7 +22,7 @@ from .report import Reporter
 from .resume import checkpoint_to_resume, resume
 from .run import Run
 from .save import save, save_due
-from .step import evaluate, evaluation, train_step
+from .step import evaluate, evaluation, evaluation_due, train_step
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -33,7 +33,7 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in range(run.start, cfg.steps):
             record = train_step(run, step)
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            if evaluation_due(cfg, step + 1):
                 evaluation(run, record)
             run.out.step(record)
             run.board.step(record, run.model.skipped_steps)

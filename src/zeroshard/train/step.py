@@ -7,6 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .config import TrainConfig
 from .run import Run
 
 
@@ -31,6 +32,11 @@ def evaluate(run: Run, split: str) -> float:
             total += run.source.loss(model, x.to(run.device), y.to(run.device)).double()
     model.train(was_training)
     return global_mean(total / cfg.eval_batches, run.world)
+
+
+def evaluation_due(cfg: TrainConfig, step: int) -> bool:
+    """Whether step ``step`` (counted from 1) ends with an evaluation."""
+    return step % cfg.eval_every == 0 or step == cfg.steps
 
 
 def evaluation(run: Run, record: dict) -> None:
