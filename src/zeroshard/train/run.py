@@ -1,7 +1,8 @@
 """One rank's run of ``zeroshard train`` as one object: what set-up makes, and what the
 other parts of the loop (resume, the step, evaluation, saving, the end) read and
-advance. Each part takes the ``Run`` and nothing else, so a part can be replaced (a
-restart that resumes differently) without threading a dozen values through the rest."""
+advance. Each part takes the ``Run`` (and the step it works on), so a part can be
+replaced (a restart that resumes differently) without threading a dozen values through
+the rest."""
 
 from __future__ import annotations
 
