@@ -84,9 +84,9 @@ def test_a_failed_export_leaves_the_folder_as_it_was(ckpt, tmp_path):
 
 
 def test_export_help_example_names_a_path_that_works(ckpt, tmp_path, capsys):
-    from zeroshard.checkpoint import export_cmd
+    from zeroshard.commands import export
 
-    example = next(line.split() for line in export_cmd.__doc__.splitlines()
+    example = next(line.split() for line in export.__doc__.splitlines()
                    if line.startswith("  zeroshard export "))
     assert example[2] == "runs/ckpt/latest"  # the documented form: the latest pointer
     assert main(["export", str(ckpt / "latest"), str(tmp_path / "out"), *example[4:]]) == 0

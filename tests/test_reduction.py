@@ -15,10 +15,10 @@ pytestmark = pytest.mark.dist
 
 
 def _grid():
-    from zeroshard.demo import _rank_main
+    from zeroshard.demo import experiment
 
     return {"parity": cases.parity_grid(["mlp", "gpt"], ["plain"], steps=10),
-            "demo": _rank_main(10, 50),
+            "demo": experiment(10, 50),
             "collectives": cases.collectives_grid()}
 
 

@@ -7,9 +7,9 @@ import warnings
 import pytest
 
 from zeroshard.cli import build_parser, main
+from zeroshard.commands.train import _config
 from zeroshard.runtime.spawn import spawn
 from zeroshard.spec.config import ZeroConfig
-from zeroshard.train import _config
 from zeroshard.train.config import TrainConfig, engine_keys, from_deepspeed, resolve
 from zeroshard.train.loop import train
 

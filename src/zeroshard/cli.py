@@ -1,4 +1,5 @@
-"""The ``zeroshard`` command: one subcommand per job, each imported only when run.
+"""The ``zeroshard`` command: one subcommand per job, each a module of
+``zeroshard.commands`` (its convention is stated there) imported only when it runs.
 
 ``zeroshard plan`` must stay torch-free, so no subcommand module is imported here.
 """
@@ -7,21 +8,23 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import warnings
 
+from zeroshard._errorline import debugging, line_of
 from zeroshard._version import __version__
 
-# subcommand -> (module with add_arguments(parser) and run(args), one-line help)
+# subcommand -> (module with add_arguments(parser) and run(args), one-line help); each
+# module follows the convention of zeroshard.commands
 COMMANDS = {
-    "plan": ("zeroshard.plan.command", "memory and communication per GPU before a run"),
-    "train": ("zeroshard.train", "train sharded over N processes: the built-in GPT, or a "
-              "local Hugging Face model on your data (--hf-model, --data)"),
-    "export": ("zeroshard.checkpoint.export_cmd", "a checkpoint as consolidated safetensors"),
-    "inspect": ("zeroshard.checkpoint.inspect_cmd", "what a checkpoint holds, checksums checked"),
-    "bench": ("zeroshard.train.granularity", "benchmarks: unit granularity"),
-    "demo": ("zeroshard.demo", "the ZeRO-1 experiment of the source documents on real processes"),
+    "plan": ("zeroshard.commands.plan", "memory and communication per GPU before a run"),
+    "train": ("zeroshard.commands.train", "train sharded over N processes: the built-in GPT, "
+              "or a local Hugging Face model on your data (--hf-model, --data)"),
+    "export": ("zeroshard.commands.export", "a checkpoint as consolidated safetensors"),
+    "inspect": ("zeroshard.commands.inspect", "what a checkpoint holds, checksums checked"),
+    "bench": ("zeroshard.commands.bench", "benchmarks: unit granularity"),
+    "demo": ("zeroshard.commands.demo", "the ZeRO-1 experiment of the source documents on "
+             "real processes"),
 }
 
 
@@ -49,37 +52,6 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
             mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
     return parser
-
-
-#: Set (to anything but 0) to see the full traceback of an error instead of its line.
-DEBUG = "ZEROSHARD_DEBUG"
-
-#: Errors whose message is the whole story: the user's input (ValueError), a valid
-#: request not supported (NotImplementedError), and the faults every rank meets alike
-#: (docs/faults.md). Any other type is unexpected; its line says how to see the trace.
-_TOLD = ("ValueError", "NotImplementedError", "SaveFailed", "FloatingPointError",
-         "NonFiniteGradients", "RanksOutOfStep", "CollectiveTimeout")
-
-
-def debugging() -> bool:
-    """Whether full traces are wanted (``zeroshard train --debug`` sets the variable)."""
-    return os.environ.get(DEBUG, "") not in ("", "0")
-
-
-def line_of(exc: BaseException, command: str) -> tuple[str, int]:
-    """The one line ``command`` prints for ``exc``, and its exit code: 2 for bad input and
-    unsupported requests, 1 otherwise."""
-    kind = type(exc).__name__
-    message = str(exc).strip() or kind
-    if isinstance(exc, ValueError):
-        return f"{command}: error: {message}", 2
-    if isinstance(exc, NotImplementedError):
-        return f"{command}: not supported: {message}", 2
-    if isinstance(exc, OSError) and exc.strerror:  # a path the command could not use
-        where = f"{exc.filename}: " if exc.filename else ""
-        return f"{command}: error: {where}{exc.strerror}", 1
-    hint = "" if kind in _TOLD else f" ({DEBUG}=1 for the full trace)"
-    return f"{command}: error: {kind}: {message}{hint}", 1
 
 
 def _warning_line(command: str):

@@ -1,31 +1,21 @@
-"""zeroshard demo — ZeRO-1 is exact: the source documents' experiment on real processes.
-
-A linear regression with P = 10 weights is trained with Adam on N = 4 ranks, each rank
-fitting its own slice of the data: once as DDP (stage 0: gradients all-reduced, every
-rank steps every weight) and once at each ZeRO stage. Adam is elementwise, so a rank
-that owns a slice of the weights can update that slice alone; the weights come out
-bit-for-bit equal, while the Adam state summed over all ranks shrinks from N·2P floats
-to 2P. Both lines are read off the trained weights and the engine's ledger.
+"""The source documents' experiment on real processes (``zeroshard demo`` runs it): a
+linear regression with P weights trained with Adam on N ranks, each rank fitting its own
+slice of the data, once as DDP (stage 0) and once at each ZeRO stage.
 """
 
 from __future__ import annotations
 
-import argparse
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .api import shard
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
-    p.add_argument("--steps", type=int, default=50, help="Adam steps (default 50)")
-    p.add_argument("--params", type=int, default=10, help="weights P (default 10)")
-
-
-def _rank_main(params: int, steps: int) -> dict:
-    """On every rank: train stage 0-3 models; report weights and Adam state floats."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-
-    import zeroshard as zs
+def experiment(params: int, steps: int) -> dict:
+    """On every rank: the regression trained ``steps`` Adam steps at each stage 0-3 on
+    this rank's data; per stage the full weights, the Adam state floats this rank holds
+    and the gradient floats it holds at the step."""
 
     class LinearRegression(nn.Module):
         def __init__(self):
@@ -43,7 +33,7 @@ def _rank_main(params: int, steps: int) -> dict:
     x, y = x[rank * 16:(rank + 1) * 16], y[rank * 16:(rank + 1) * 16]  # this rank's data
     out = {"weights": {}, "adam_floats": {}, "grad_floats": {}}
     for stage in range(4):
-        model = zs.shard(LinearRegression(), stage=stage, units=None)
+        model = shard(LinearRegression(), stage=stage, units=None)
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
         for _ in range(steps):
             loss = ((model(x) - y) ** 2).mean()
@@ -58,23 +48,3 @@ def _rank_main(params: int, steps: int) -> dict:
         out["adam_floats"][stage] = mem["optimizer"] // 4  # fp32: no master, only m and v
         out["grad_floats"][stage] = held // 4
     return out
-
-
-def run(args) -> int:
-    from .runtime.spawn import spawn
-
-    for name in ("nproc", "steps", "params"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name}={getattr(args, name)} must be positive")
-    ranks = spawn(_rank_main, args.nproc, args.params, args.steps, timeout=300)
-    w = ranks[0]["weights"]
-    n, p = args.nproc, args.params
-    for stage, label in ((1, "ZeRO1"), (2, "ZeRO2"), (3, "ZeRO3")):
-        diff = (w[0] - w[stage]).abs().max().item()
-        print(f"  max |w_DDP - w_{label}| after {args.steps} steps = {diff:.2e}")
-    adam = [sum(r["adam_floats"][s] for r in ranks) for s in range(4)]
-    grads = [sum(r["grad_floats"][s] for r in ranks) for s in range(4)]
-    print(f"  Adam state floats across all ranks: DDP {adam[0]}, ZeRO-1 {adam[1]}  "
-          f"(P = {p}, N = {n})")
-    print(f"  gradient floats held across all ranks: DDP {grads[0]}, ZeRO-2 {grads[2]}")
-    return 0

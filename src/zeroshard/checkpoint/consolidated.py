@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.dist import TORCH_DTYPES
-from . import exportdir
 from .exportdir import INDEX, SINGLE
+from .exportdir import check as check_out_dir
+from .exportdir import write as write_out_dir
 from .load import _agree, _pieces
 from .sharded import entries, read_manifest, resolve, verify
 from .tensorfile import TensorFile, write_tensors
@@ -29,7 +30,7 @@ def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     made = not Path(out_dir).exists()
-    out_dir = exportdir.check(out_dir)  # before anything is read
+    out_dir = check_out_dir(out_dir)  # before anything is read
     try:
         return _export(ckpt_path, out_dir, dtype, max_shard_bytes)
     except BaseException:
@@ -86,7 +87,7 @@ def _export(ckpt_path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
         index = {"metadata": {"total_size": total},
                  "weight_map": {n: f for f, ns in layout.items() for n in ns}}
         writers.append((INDEX, lambda path: _write_json(path, index)))
-    exportdir.write(out_dir, writers)
+    write_out_dir(out_dir, writers)
     return layout
 
 

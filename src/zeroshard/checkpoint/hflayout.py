@@ -1,6 +1,7 @@
-"""The Hugging Face layout in and out: a sharded model initialised from a model folder's
-safetensors (each rank reading only the rows it keeps, one unit at a time), and a
-checkpoint of such a model exported back into a folder ``from_pretrained`` loads.
+"""The Hugging Face layout in and out: a model folder's weight files found
+(``weight_files``), a sharded model initialised from them (each rank reading only the
+rows it keeps, one unit at a time), and a checkpoint of such a model exported back into
+a folder ``from_pretrained`` loads.
 
 Names: the model's parameters carry transformers' own names (``model.layers.0...``,
 ``transformer.h.0...``), which is mostly what ``save_pretrained`` writes. Where a file's
@@ -24,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .._jsonfile import read_json_object
+from .exportdir import INDEX, SINGLE
 from .load import _agree
 from .sharded import entries, read_manifest, resolve
 from .tensorfile import TensorFile, fsync_dir
@@ -69,13 +72,46 @@ def _source_names(model, wmap: dict[str, Path]) -> tuple[dict[str, str], bool]:
     return out, converts
 
 
+def weight_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, in the model folder ``path``: from
+    the index or the single file. A problem is one line naming the folder as
+    ``hf_model``."""
+    p = Path(path)
+    if (p / INDEX).is_file():
+        wmap = read_json_object(p / INDEX, "index").get("weight_map")
+        if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
+            raise ValueError(f"{p / INDEX}: no weight_map of tensor names to files")
+        missing = sorted({f for f in wmap.values() if not (p / f).is_file()})
+        if missing:
+            raise ValueError(f"{_where(path)}: {p / missing[0]}, named by {INDEX}, is missing")
+        return {n: p / f for n, f in wmap.items()}
+    if (p / SINGLE).is_file():
+        try:
+            return dict.fromkeys(TensorFile(str(p / SINGLE)).keys(), p / SINGLE)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{_where(path)}: {p / SINGLE} cannot be read as safetensors "
+                             f"({_first_line(exc)})") from None
+    others = sorted(q.name for q in p.glob("*.bin")) + sorted(q.name for q in p.glob("*.pth"))
+    also = f" ({others[0]} is not read: save the model with safe_serialization)" if others \
+        else ""
+    raise ValueError(f"{_where(path)}: no {SINGLE} and no {INDEX}: the weights are "
+                     f"missing{also}")
+
+
+def _where(path: str | Path) -> str:
+    return f"hf_model={str(path)!r}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
 def load_hf_weights(model, path: str | Path) -> None:
     """Initialise a ShardedModel built from ``path``'s config with ``path``'s weights: per
     unit, each rank reads the rows it keeps (its shard; the whole parameter where it is
     kept whole) and nothing else. Every file is checked (names, shapes) on every rank and
     the ranks agree before anything is written; a problem is one line naming the file."""
-    from ..models.hf import weight_files
-
     problem, plan = None, []
     try:
         wmap = weight_files(path)

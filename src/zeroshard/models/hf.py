@@ -11,7 +11,8 @@ The model is built with its parameters on the meta device and its buffers real
 are computed by the model's own constructor, cost little, and no generic initialiser
 could recompute them; parameters cost nothing until the engine materializes them one
 unit at a time and each rank reads its own rows from the weights
-(``zeroshard.checkpoint.hflayout.load_hf_weights``).
+(``zeroshard.checkpoint.hflayout.load_hf_weights``, which also finds the weight files:
+``weight_files``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checkpoint.hflayout import weight_files
+
 CONFIG = "config.json"
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 #: Config fields that carry the longest sequence a model takes, by family (Llama, Mistral,
 #: Qwen2, GPT-NeoX: max_position_embeddings; GPT-2: n_positions).
@@ -95,33 +96,6 @@ def describe(path: str | Path) -> HFModel:
                   if isinstance(getattr(config, k, None), int)), None)
     return HFModel(str(path), mapping[type(config)].__name__, config.model_type,
                    int(getattr(config, "vocab_size", 0) or 0), limit)
-
-
-def weight_files(path: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from the index or the single file."""
-    from .._jsonfile import read_json_object
-    from ..checkpoint.tensorfile import TensorFile
-
-    p = Path(path)
-    if (p / INDEX).is_file():
-        wmap = read_json_object(p / INDEX, "index").get("weight_map")
-        if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
-            raise ValueError(f"{p / INDEX}: no weight_map of tensor names to files")
-        missing = sorted({f for f in wmap.values() if not (p / f).is_file()})
-        if missing:
-            raise ValueError(f"{_where(path)}: {p / missing[0]}, named by {INDEX}, is missing")
-        return {n: p / f for n, f in wmap.items()}
-    if (p / SINGLE).is_file():
-        try:
-            return dict.fromkeys(TensorFile(str(p / SINGLE)).keys(), p / SINGLE)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{_where(path)}: {p / SINGLE} cannot be read as safetensors "
-                             f"({_first_line(exc)})") from None
-    others = sorted(q.name for q in p.glob("*.bin")) + sorted(q.name for q in p.glob("*.pth"))
-    also = f" ({others[0]} is not read: save the model with safe_serialization)" if others \
-        else ""
-    raise ValueError(f"{_where(path)}: no {SINGLE} and no {INDEX}: the weights are "
-                     f"missing{also}")
 
 
 @contextlib.contextmanager

@@ -19,16 +19,15 @@ import sys
 import traceback
 from pathlib import Path
 
-from .. import cli as _cli
+from .._errorline import DEBUG, debugging
+from .._errorline import line_of as _command_line_of
 
 ERROR_DIR = "ZEROSHARD_ERROR_DIR"
-DEBUG = _cli.DEBUG
-debugging = _cli.debugging
 
 
 def line_of(exc: BaseException) -> tuple[str, int]:
     """``zeroshard train``'s one line for ``exc`` and its exit code."""
-    return _cli.line_of(exc, "zeroshard train")
+    return _command_line_of(exc, "zeroshard train")
 
 
 def record(exc: BaseException, rank: int) -> int:
@@ -68,7 +67,7 @@ def told(folder: str | Path, failures: dict[int, tuple[int, str]], first: int) -
     the launcher saw."""
     lines = recorded(folder)
     if lines:
-        rank = min(lines, key=lambda r: (_cli.DEBUG in lines[r]["line"], r != first, r))
+        rank = min(lines, key=lambda r: (DEBUG in lines[r]["line"], r != first, r))
         return lines[rank]["line"], int(lines[rank]["code"])
     code, signal = failures[first]
     how = f"was killed by {signal}" if signal else f"exited with code {code}"

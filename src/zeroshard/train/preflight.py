@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .._paths import folder, output_file
 from .config import TrainConfig
+from .resume import checkpoint_to_resume
 
 
 def _same_model(where: str, found: dict[str, tuple[int, ...]],
@@ -35,7 +36,7 @@ def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> int:
     ``steps``. Returns its step."""
     from ..checkpoint.sharded import read_manifest, resolve
 
-    ckpt = resolve(Path(cfg.save_dir) if cfg.resume == "latest" else cfg.resume)
+    ckpt = resolve(checkpoint_to_resume(cfg))
     manifest = read_manifest(ckpt)
     _same_model(str(ckpt), {n: p["shape"] for n, p in manifest["params"].items()}, shapes,
                 source)
@@ -102,7 +103,7 @@ def check(cfg: TrainConfig, source=None):
     shapes = source.shapes()
     if cfg.hf_model and cfg.sample_chars:
         source.tokenizer()
-    if cfg.resume:
+    if checkpoint_to_resume(cfg) is not None:
         resume(cfg, shapes, source)
     if cfg.init_from:
         init_from(cfg, shapes, source)

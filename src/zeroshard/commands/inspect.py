@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+from rich.table import Table
+
+from ..checkpoint.sharded import read_manifest, resolve, verify, verify_contents
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ckpt", help="a checkpoint directory, or a save directory with `latest`")
 
 
 def run(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .sharded import read_manifest, resolve, verify, verify_contents
-
     ckpt = resolve(args.ckpt)
     m = read_manifest(ckpt)
     params = sum(_numel(p["shape"]) for p in m["params"].values())

@@ -18,10 +18,14 @@ from __future__ import annotations
 import argparse
 import resource
 
+from ..checkpoint.consolidated import export
+from ..checkpoint.hflayout import carry_over, check_export, trained_from
+
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
 def parse_size(text: str) -> int:
+    """--max-shard-size in bytes: a number with an optional unit (500MB, 2GiB, 1e9)."""
     t = text.strip().upper()
     for suffix in sorted(_UNITS, key=len, reverse=True):
         if t.endswith(suffix):
@@ -49,9 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .consolidated import export
-    from .hflayout import carry_over, check_export, trained_from
-
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     source = trained_from(args.ckpt)
     if source is not None:

@@ -1,0 +1,105 @@
+"""``zeroshard train`` as a job of processes.
+
+The command's own process checks every setting and path, tokenizes ``--data`` once and
+starts ``nproc`` ranks through the local launcher (``launch.py``), handing them the
+settings in the environment (``launch``). Each rank runs the loop (``loop.py``), and an
+error there is told once (``failure.py``; ``run_rank``). Under torchrun there is no
+command's process: each rank reads its flags itself and goes straight to ``run_rank``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import traceback
+
+from ..runtime.dist import release_process_groups
+from . import datasource, failure, preflight
+from .config import TrainConfig
+from .hfmodel import model_source
+
+#: The launcher hands the resolved settings to its ranks here (not as arguments, which
+#: torch.distributed.run would try to parse as its own).
+CONFIG_ENV = "ZEROSHARD_TRAIN_CONFIG"
+
+
+def handed_over() -> TrainConfig | None:
+    """On a rank started by ``launch``: the settings it handed over; None elsewhere."""
+    if CONFIG_ENV not in os.environ:
+        return None
+    return TrainConfig.from_dict(json.loads(os.environ[CONFIG_ENV]), CONFIG_ENV)
+
+
+def on_a_rank() -> bool:
+    """Whether this process is a rank of a job (torchrun's, or ``launch``'s)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(cfg: TrainConfig, debug: bool = False) -> int:
+    """Check everything, then run ``cfg.nproc`` local ranks and wait for them; the
+    launcher's exit code. ``debug``: the ranks' full tracebacks and the launcher's
+    report, not the error's one line."""
+    cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
+    source = model_source(cfg)  # a Hugging Face folder read, the sequence length checked
+    held = preflight.check(cfg, source)  # every path, before any process starts
+    env = dict(os.environ)
+    env[CONFIG_ENV] = json.dumps(cfg.to_dict())
+    if debug:
+        env[failure.DEBUG] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    cmd = [sys.executable, "-m", "zeroshard.train.launch",  # torchrun, on loopback only
+           "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
+    with held:
+        corpus = datasource.prepare(cfg, source.vocab, source.seq_len)  # tokenized once, here
+        try:
+            if corpus is not None:
+                env[datasource.ENV] = str(corpus)
+            return _wait(subprocess.Popen(cmd, env=env))
+        finally:
+            if corpus is not None:
+                shutil.rmtree(corpus.parent, ignore_errors=True)
+
+
+def _wait(launcher: subprocess.Popen) -> int:
+    """The launcher's exit code. Ctrl-C reaches the launcher and the ranks too (the
+    terminal signals the whole process group): let the launcher stop the ranks and say
+    so; a SIGINT sent to this process alone is passed on after a while."""
+    while True:
+        try:
+            return launcher.wait()
+        except KeyboardInterrupt:
+            try:
+                return launcher.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                launcher.send_signal(signal.SIGINT)
+
+
+def run_rank(cfg: TrainConfig) -> int:
+    """One rank's run; its exit code. Under ``launch`` an error is written for the
+    launcher to print once (``failure.py``); under torchrun it is raised."""
+    from .loop import train  # the engine and the loop: on the ranks, not in the command
+
+    try:
+        train(cfg)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says it once
+        if failure.ERROR_DIR not in os.environ or failure.debugging():
+            raise
+        release_process_groups()
+        return 130
+    except Exception as exc:
+        # the traceback holds train's frames, and with them the model
+        rank = int(os.environ.get("RANK", "0"))
+        if failure.ERROR_DIR in os.environ:
+            code = failure.record(exc, rank)
+            traceback.clear_frames(exc.__traceback__)
+            release_process_groups()
+            return code
+        traceback.clear_frames(exc.__traceback__)
+        release_process_groups()
+        raise
+    release_process_groups()
+    return 0
