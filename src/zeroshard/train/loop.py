@@ -15,11 +15,12 @@ from ..checkpoint import load, load_pretrained, save, savedir
 from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
 from ..runtime.dist import default_device, init_distributed
 from ..runtime.step.scaler import GradScaler
-from . import datasource, report
 from .board import Board
 from .config import TrainConfig
+from .datasource import open_source
 from .hfmodel import model_source
 from .profile import profile_report
+from .report import Reporter, layout
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -126,10 +127,10 @@ def train(cfg: TrainConfig) -> dict:
     fp16 = model.zero_config.recipe.param_dtype == "fp16"
     scaler = (GradScaler.from_deepspeed(model, {"fp16": cfg.loss_scaler})
               if fp16 and cfg.loss_scaler is not None else GradScaler(model, enabled=fp16))
-    corpus = datasource.open_source(cfg, source.vocab, seq_len, rank)
+    corpus = open_source(cfg, source.vocab, seq_len, rank)
     unit_params = [sum(p.numel() for p in u.params) for u in model.units]
-    out = report.Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
-                          label=source.label, origin=source.source)
+    out = Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
+                   label=source.label, origin=source.source)
     log = (open(cfg.json_log, "a" if cfg.resume else "w", encoding="utf-8")
            if cfg.json_log and rank == 0 else None)
     losses, evals = [], []
@@ -245,7 +246,7 @@ def train(cfg: TrainConfig) -> dict:
         profile_report(model, cfg, source, micro, seq_len, rank, out)
     memories = [None] * world
     dist.all_gather_object(memories, held[0] if held else model.memory(optimizer))
-    out.summary(memories, comm, model.zero_config.recipe, model.comm.shard_world, unit_params)
+    out.summary(memories, comm, model.zero_config, layout(model), unit_params)
     if cfg.sample_chars:
         model.eval()
         out.sample(source.sample(model, device))

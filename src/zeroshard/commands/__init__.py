@@ -1,0 +1,1 @@
+"""The ``zeroshard`` subcommands, one module each: a description, ``add_arguments`` and ``run``."""
