@@ -279,7 +279,8 @@ def test_gib_switches_units(capsys):
 
 
 def test_plan_never_imports_torch():
-    code = ("import sys, zeroshard.plan, zeroshard.cli as c; c.main(['plan', '--json']);"
+    code = ("import sys, zeroshard.plan, zeroshard.commands.plan, zeroshard.cli as c; "
+            "c.main(['plan', '--json']);"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 

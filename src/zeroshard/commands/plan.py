@@ -219,6 +219,10 @@ def plan_config(args) -> ZeroConfig:
         sub_group_size=args.sub_group_size or SUB_GROUP_SIZE)
     if args.strategy:
         replace(config.at_stage(stage_of(args.strategy)), **zeropp)
+    if args.recommend and uses_zeropp(config):
+        raise ValueError("--recommend does not weigh hpZ or quantized collectives yet; drop "
+                         "--hpz, --quantize-weights and --quantize-grads (or plan them without "
+                         "--recommend, with --time)")
     return config
 
 
@@ -269,28 +273,10 @@ def _write_html(args, model: ModelSpec, config: ZeroConfig) -> None:
                          "no control for them)\n")
 
 
-def run(args) -> int:
-    """Flags → ``ZeroConfig``, ``ParallelDims`` and ``Workload`` → the planner → tables
-    or JSON."""
-    if args.list_models:
-        render.models(PRESETS)
-        return 0
-    check_flags(args)
-    sweep = _sweep(args.sweep)
-    model = resolve_model(args)
-    config = plan_config(args)
-    if args.recommend and uses_zeropp(config):
-        raise ValueError("--recommend does not weigh hpZ or quantized collectives yet; drop "
-                         "--hpz, --quantize-weights and --quantize-grads (or plan them without "
-                         "--recommend, with --time)")
-    unit = 2**30 if args.gib else 10**9
-    budget = int(args.gpu_mem * unit)
-    if args.html:
-        _write_html(args, model, config)
-    if args.recommend:
-        plan_output.recommendation(args, model, config, budget, unit,
-                                   plan_time.run_recommend(args, model, config, budget))
-        return 0
+def _plan_table(args, model: ModelSpec, config: ZeroConfig, budget: int, unit: int,
+                sweep: list[int] | None) -> None:
+    """Every strategy of ``config`` on the flags' layout: the table (or JSON), and with
+    ``--plot`` its bars."""
     _check_for_table(args, config)
     dims = ParallelDims(args.gpus, args.tp or 1, config.shard_group)
     check_layout(dims, config)  # hpZ's K2 must divide the shard group
@@ -305,4 +291,24 @@ def run(args) -> int:
     if args.plot:
         render.plot(args.plot, model, config.recipe, args.gpus, budget, result.plans, shown,
                     unit, args.gib)
+
+
+def run(args) -> int:
+    """Flags → ``ZeroConfig``, ``ParallelDims`` and ``Workload`` → the planner → tables
+    or JSON."""
+    if args.list_models:
+        render.models(PRESETS)
+        return 0
+    check_flags(args)
+    sweep = _sweep(args.sweep)
+    model, config = resolve_model(args), plan_config(args)
+    unit = 2**30 if args.gib else 10**9
+    budget = int(args.gpu_mem * unit)
+    if args.html:
+        _write_html(args, model, config)
+    if args.recommend:
+        plan_output.recommendation(args, model, config, budget, unit,
+                                   plan_time.run_recommend(args, model, config, budget))
+    else:
+        _plan_table(args, model, config, budget, unit, sweep)
     return 0
