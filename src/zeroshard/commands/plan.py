@@ -21,7 +21,6 @@ examples:
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 
 from .._paths import output_file
@@ -255,24 +254,6 @@ def _sweep(spec: str | None) -> list[int] | None:
     return counts
 
 
-def _write_html(args, model: ModelSpec, config: ZeroConfig) -> None:
-    """``--html``: the page, opening on these settings (data parallelism alone)."""
-    from ..plan import page
-
-    if (args.tp or 1) > 1:
-        raise ValueError(f"--html plans data parallelism alone; drop --tp={args.tp}")
-    page.write_page(args.html, model=args.model or model, gpus=args.gpus,
-                    gpu_mem=args.gpu_mem, gib=args.gib, recipe=config.recipe,
-                    tokens=args.tokens, seq_len=args.seq_len,
-                    checkpointing=not args.no_checkpointing,
-                    flash_attention=args.flash_attention, gpu_step=args.gpu_step,
-                    tp=args.tp or 1, shard_group=plan_time.shard_group(args))
-    render.wrote(args.html)
-    if uses_zeropp(config):
-        sys.stderr.write("the page plans without hpZ and quantized collectives (it has "
-                         "no control for them)\n")
-
-
 def _plan_table(args, model: ModelSpec, config: ZeroConfig, budget: int, unit: int,
                 sweep: list[int] | None) -> None:
     """Every strategy of ``config`` on the flags' layout: the table (or JSON), and with
@@ -305,7 +286,7 @@ def run(args) -> int:
     unit = 2**30 if args.gib else 10**9
     budget = int(args.gpu_mem * unit)
     if args.html:
-        _write_html(args, model, config)
+        plan_output.write_html(args, model, config)
     if args.recommend:
         plan_output.recommendation(args, model, config, budget, unit,
                                    plan_time.run_recommend(args, model, config, budget))

@@ -8,10 +8,12 @@ import sys
 from dataclasses import dataclass, replace
 
 from ..plan import advice, render
+from ..plan.arch import ModelSpec
 from ..plan.comm import uses_zeropp, zeropp_dict
 from ..plan.memory import STRATEGIES, plan_all
 from ..plan.offload import disk_io_bytes, pcie_bytes
 from ..plan.peak import peak
+from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
 from . import plan_time
 
@@ -142,6 +144,24 @@ def text_out(args, model, dims, config, work, budget, shown, unit, r: Result) ->
         render.sweep_table(r.sweep, shown, unit, args.gib)
     if r.times is not None:
         render.time_table(r.times, r.plans, shown, args)
+
+
+def write_html(args, model: ModelSpec, config: ZeroConfig) -> None:
+    """``--html``: the page, opening on these settings (data parallelism alone)."""
+    from ..plan import page
+
+    if (args.tp or 1) > 1:
+        raise ValueError(f"--html plans data parallelism alone; drop --tp={args.tp}")
+    page.write_page(args.html, model=args.model or model, gpus=args.gpus,
+                    gpu_mem=args.gpu_mem, gib=args.gib, recipe=config.recipe,
+                    tokens=args.tokens, seq_len=args.seq_len,
+                    checkpointing=not args.no_checkpointing,
+                    flash_attention=args.flash_attention, gpu_step=args.gpu_step,
+                    tp=args.tp or 1, shard_group=plan_time.shard_group(args))
+    render.wrote(args.html)
+    if uses_zeropp(config):
+        sys.stderr.write("the page plans without hpZ and quantized collectives (it has "
+                         "no control for them)\n")
 
 
 def recommendation(args, model, config, budget, unit, rec) -> None:
