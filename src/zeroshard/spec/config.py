@@ -168,7 +168,7 @@ class ZeroConfig:
         if not given and name not in RECIPES:
             raise ValueError(
                 f"mixed_precision={self.mixed_precision!r} is not supported; expected None, "
-                f"'fp32', 'bf16', a recipe name ({', '.join(RECIPES)}) or a Recipe")
+                f"'fp32', 'bf16' or a recipe name ({', '.join(RECIPES)})")
         recipe = get_recipe(name)
         # a Recipe's own reduce dtype counts as asked for (the qgZ rule below)
         asked = self.reduce_dtype or (recipe.reduce_dtype if given else None)
