@@ -71,7 +71,7 @@ def _rank(name: str, stage: int, precision: str) -> dict:
 
     import zeroshard as zs
     from zeroshard.data import Corpus
-    from zeroshard.plan import ModelSpec, Workload
+    from zeroshard.plan import ModelSpec, ParallelDims, Workload
     from zeroshard.plan.peak import peak
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,8 +92,8 @@ def _rank(name: str, stage: int, precision: str) -> dict:
     params = sum(u.w_layout.numel for u in net.units)
     assert params == arch.params, (params, arch.params)
     work = Workload(batch // world * seq, seq, checkpointing=False, flash_attention=True)
-    plan = peak(ModelSpec.from_arch(arch), net.zero_config.recipe, work, world, stage,
-                net.zero_config.prefetch, optimizer_impl="for-loop")
+    plan = peak(ModelSpec.from_arch(arch), ParallelDims(world), net.zero_config, work,
+                optimizer_impl="for-loop")
     _, at = net.profiler.peak()
     where = at.kind.replace("_", " ") + ("" if at.unit is None else f" (unit {at.unit})")
     return {"params": params, "planned": plan.profiled, "moment": plan.profiled_moment,

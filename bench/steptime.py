@@ -105,9 +105,9 @@ def fit_alpha_beta(sizes: list[int], times: list[float]) -> tuple[float, float]:
 def predict(run: dict, overlap: bool) -> list:
     """Step-time predictions of stages 0-3 from a run's measured inputs."""
     from zeroshard.models.gpt import GPT, get_preset
-    from zeroshard.plan import ModelSpec, Workload, get_recipe
+    from zeroshard.plan import ModelSpec, ParallelDims, Workload, ZeroConfig, get_recipe
     from zeroshard.plan.hardware import Accelerator, Cluster, Link, Network
-    from zeroshard.plan.steptime import Schedule, step_time
+    from zeroshard.plan.steptime import step_time
 
     args = run["args"]
     cfg = get_preset(args["preset"])
@@ -119,7 +119,8 @@ def predict(run: dict, overlap: bool) -> list:
                                   run["efficiency"]),
                       Network("loopback", link, link, overlap, gloo=True), gpus_per_node=2)
     # compare.py trains in fp32 and reduces in fp32
-    return [step_time(model, get_recipe("fp32-adamw"), work, 2, cluster, Schedule(stage))
+    fp32 = ZeroConfig(mixed_precision=get_recipe("fp32-adamw"))
+    return [step_time(model, ParallelDims(2), fp32.at_stage(stage), work, cluster)
             for stage in range(4)]
 
 

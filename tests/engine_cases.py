@@ -311,6 +311,7 @@ def ledger_grid(model="mlp"):
     """Memory per category between a backward and its step (the optimizer state made by
     a first step), and bytes sent in one (unclipped) step."""
     from zeroshard.plan.memory import comm_bytes, model_state_bytes
+    from zeroshard.spec.dims import ParallelDims
 
     out = {}
     for precision in (None, "bf16"):
@@ -332,12 +333,14 @@ def ledger_grid(model="mlp"):
             flags = sum(len(u.trainable) for u in net.units)
             out[(precision, stage)] = {
                 "memory": mem,
-                "plan": model_state_bytes(params, dist.get_world_size(), recipe, stage),
+                "plan": model_state_bytes(params, ParallelDims(dist.get_world_size()),
+                                          net.zero_config),
                 "params": params,
                 "bytes": {"params": recipe.weight_bytes, "grads": recipe.grad_bytes,
                           "optimizer": recipe.optimizer_bytes},
                 "comm": net.comm_stats(),
-                "comm_plan": comm_bytes(params, dist.get_world_size(), recipe, stage),
+                "comm_plan": comm_bytes(params, ParallelDims(dist.get_world_size()),
+                                        net.zero_config),
                 "flag_bytes": flags * recipe.reduce_bytes,
             }
     return out

@@ -23,7 +23,7 @@ from zeroshard.checkpoint import savedir
 from zeroshard.checkpoint.consolidated import _weight_map, export
 from zeroshard.checkpoint.exportdir import INDEX, SINGLE
 from zeroshard.cli import main
-from zeroshard.plan import get_recipe
+from zeroshard.plan import ParallelDims, ZeroConfig, get_recipe
 from zeroshard.plan.memory import comm_bytes
 from zeroshard.train.config import TrainConfig, processes
 from zeroshard.train.failure import told
@@ -115,15 +115,20 @@ def test_keep_last_removes_the_oldest_saves_never_latest(tmp_path):
 
 
 def test_the_planned_traffic_counts_every_micro_batch():
-    r, p = get_recipe("fp32-adamw"), 1_000_000
-    assert planned_comm(p, 2, r, 3, 1) == comm_bytes(p, 2, r, 3)
-    assert planned_comm(p, 2, r, 3, 4) == 4 * comm_bytes(p, 2, r, 3)  # gathers and reduces
-    assert planned_comm(p, 2, r, 0, 2) == 2 * comm_bytes(p, 2, r, 0)
+    p, on2 = 1_000_000, ParallelDims(2)
+
+    def r(stage, **options):
+        return ZeroConfig(stage=stage, mixed_precision=get_recipe("fp32-adamw"), **options)
+
+    assert planned_comm(p, on2, r(3), 1) == comm_bytes(p, on2, r(3))
+    assert planned_comm(p, on2, r(3), 4) == 4 * comm_bytes(p, on2, r(3))  # gathers and reduces
+    assert planned_comm(p, on2, r(0), 2) == 2 * comm_bytes(p, on2, r(0))
     # stages 1-2: each backward reduce-scatters; the weights are gathered once, after the step
-    assert planned_comm(p, 2, r, 1, 3) == comm_bytes(p, 2, r, 1) + 2 * 2_000_000
+    assert planned_comm(p, on2, r(1), 3) == comm_bytes(p, on2, r(1)) + 2 * 2_000_000
     # hybrid, 4 ranks in groups of 2: per micro-batch 2 MB reduced inside and 2 MB
     # all-reduced across; 2 MB gathered after the step
-    assert planned_comm(p, 4, r, 2, 2, shard_group=2) == 2 * (2 + 2) * 10**6 + 2 * 10**6
+    assert planned_comm(p, ParallelDims(4, shard=2), r(2, shard_group=2), 2) == (
+        2 * (2 + 2) * 10**6 + 2 * 10**6)
 
 
 def test_one_process_is_singular():

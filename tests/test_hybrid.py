@@ -6,7 +6,7 @@ at K ranks; bytes per level are the collectives' own."""
 import pytest
 
 import zeroshard as zs
-from zeroshard.plan import get_recipe, model_state_bytes
+from zeroshard.plan import ParallelDims, ZeroConfig, get_recipe, model_state_bytes
 from zeroshard.plan.memory import comm_bytes, ring_all_reduce
 from zeroshard.runtime.spawn import spawn
 from zeroshard.runtime.unit.readout import memory as unit_memory
@@ -78,9 +78,9 @@ def test_memory_per_category_is_the_planners_at_k_ranks(grid, k, stage):
     per-rank figure is that over K, rounded up; rows divide unevenly over 4); a whole
     one: every rank holds all of it."""
     params = sum(p.numel() for p in cases.build("mlp").parameters())
-    recipe = get_recipe("fp32-adamw")
-    planned = model_state_bytes(params, k, recipe, stage)
-    totals = model_state_bytes(params, 1, recipe, stage)
+    config = ZeroConfig(stage=stage, mixed_precision=get_recipe("fp32-adamw"))
+    planned = model_state_bytes(params, ParallelDims(k), config)
+    totals = model_state_bytes(params, ParallelDims(1), config)
     for cat, plan, total in zip(("params", "grads", "optimizer"), planned, totals):
         got = [grid[r][(k, stage)]["memory"][cat] for r in range(4)]
         if plan == total:
@@ -114,7 +114,8 @@ def test_bytes_per_level(grid, k, stage):
     params = sum(p.numel() for p in cases.build("mlp").parameters())
     if k * sum(s for s, _, _, _ in slots) == params:  # nothing padded: the planner's
         flags = sum(f for _, f, _, _ in slots) * 4 * (k - 1) * (2 if stage == 0 else 1)
-        assert inside == comm_bytes(params, k, get_recipe("fp32-adamw"), stage) + flags
+        config = ZeroConfig(stage=stage, mixed_precision=get_recipe("fp32-adamw"))
+        assert inside == comm_bytes(params, ParallelDims(k), config) + flags
     reps = 4 // k
     across = levels.get("across", {})
     if reps == 1:

@@ -21,7 +21,9 @@ from zeroshard.plan import (
     STRATEGIES,
     Architecture,
     ModelSpec,
+    ParallelDims,
     Workload,
+    ZeroConfig,
     first_fit,
     floor_bytes,
     get_recipe,
@@ -62,6 +64,11 @@ def session(browser, tmp_path_factory):
     s.context.close()
 
 
+def config(recipe, stage: int = 3, **options) -> ZeroConfig:
+    """The page's configuration: its recipe taken whole (reduced in its own dtype)."""
+    return ZeroConfig(stage=stage, mixed_precision=recipe, **options)
+
+
 def exact(value) -> str:
     """How the page writes a byte count in data-bytes: the integer, or empty for None."""
     return "" if value is None else str(value)
@@ -74,8 +81,9 @@ def expected(c: dict) -> dict:
     work = Workload(c["tokens"], c.get("seq_len"), c["checkpointing"], c.get("flash", False))
     budget = int(c["mem"] * unit)  # command.run
     gpus, group = c["gpus"], c.get("shard_group")
-    plans = plan_all(model, gpus, recipe, work, budget, shard_group=group)
-    mins = [min_gpus(model, recipe, s, budget, work, c.get("step")) for s in STRATEGIES]
+    plans = plan_all(model, ParallelDims(gpus, shard=group), config(recipe), work, budget)
+    mins = [min_gpus(model, config(recipe, s), budget, work, c.get("step"))
+            for s in range(len(STRATEGIES))]
     return dict(model=model, unit=unit, recipe=recipe, work=work,
                 budget=budget, gpus=gpus, plans=plans, mins=mins, fit=first_fit(plans),
                 group=group)
@@ -89,12 +97,11 @@ def check_readout(got: dict, want: dict) -> None:
     assert got["first"] == (want["fit"] or "")
     group = want.get("group")
     if want["fit"] is None:
-        why = why_none_fits(want["model"], want["recipe"], want["gpus"], want["budget"],
-                            want["work"], group)
+        dims, recipe = ParallelDims(want["gpus"], shard=group), config(want["recipe"])
+        why = why_none_fits(want["model"], dims, recipe, want["budget"], want["work"])
         assert got["headline"] == why
-        offer = offload_offer(want["model"], want["recipe"], want["gpus"], want["budget"],
-                              want["work"], group, unit=unit,
-                              unit_name="GiB" if unit == 2**30 else "GB")
+        offer = offload_offer(want["model"], dims, recipe, want["budget"], want["work"],
+                              unit=unit, unit_name="GiB" if unit == 2**30 else "GB")
         assert got["offload"] == (offer or "")
     else:
         assert got["offload"] == ""
@@ -126,8 +133,10 @@ def check_readout(got: dict, want: dict) -> None:
     model, recipe, work, budget = (want[k] for k in ("model", "recipe", "work", "budget"))
     assert [n for n, _ in got["sweep"]] == SWEEP
     for n, totals in got["sweep"]:
-        assert totals == [str(p.total) for p in plan_all(model, n, recipe, work, budget)], n
-    assert got["floors"] == {s: str(floor_bytes(model, recipe, s)) for s in ("ZeRO-1", "ZeRO-2")}
+        assert totals == [str(p.total) for p in plan_all(model, ParallelDims(n), config(recipe),
+                                                         work, budget)], n
+    assert got["floors"] == {STRATEGIES[s]: str(floor_bytes(model, config(recipe, s)))
+                             for s in (1, 2)}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c["id"] for c in CONFIGS])
@@ -191,10 +200,11 @@ def test_initial_state_from_python(browser, tmp_path):
              step=8)
     work = Workload(4096, 2048, False, False)
     budget = int(24.5 * 2**30)
-    plans = plan_all(model, 16, recipe, work, budget)
+    plans = plan_all(model, ParallelDims(16), config(recipe), work, budget)
     want = dict(model=model, unit=2**30, recipe=recipe, work=work, budget=budget, gpus=16,
                 plans=plans, fit=first_fit(plans),
-                mins=[min_gpus(model, recipe, x, budget, work, c["step"]) for x in STRATEGIES])
+                mins=[min_gpus(model, config(recipe, x), budget, work, c["step"])
+                      for x in range(len(STRATEGIES))])
     check_readout(s.page.evaluate(READ), want)
     assert s.page.inner_text("#model-summary").startswith("from-config: P = 13,000,000,000")
     assert s.network == [] and s.errors == []
@@ -218,10 +228,11 @@ def test_plan_command_writes_the_page(browser, tmp_path, capsys):
     model, recipe, work = ModelSpec.from_arch(PRESETS["llama2-70b"]), get_recipe("fp32-adamw"), \
         Workload(2048)
     budget = 141 * 10**9
-    plans = plan_all(model, 64, recipe, work, budget)
+    plans = plan_all(model, ParallelDims(64), config(recipe), work, budget)
     want = dict(model=model, unit=10**9, recipe=recipe, work=work, budget=budget, gpus=64,
                 plans=plans, fit=first_fit(plans),
-                mins=[min_gpus(model, recipe, x, budget, work) for x in STRATEGIES])
+                mins=[min_gpus(model, config(recipe, x), budget, work)
+                      for x in range(len(STRATEGIES))])
     check_readout(s.page.evaluate(READ), want)
     assert s.network == [] and s.errors == []
     s.context.close()
@@ -262,7 +273,8 @@ def test_plan_command_writes_a_hybrid_page(browser, tmp_path, capsys):
 @pytest.mark.parametrize("state,message", [
     (dict(gpus=2048), "runs from 1 to 1,024"), (dict(tp=2), "data parallelism alone"),
     (dict(model="nope"), "unknown model 'nope'"), (dict(tokens=0), "must be a positive"),
-    (dict(gpus=8, shard_group=3), "shard_group=3 does not divide the 8"),
+    (dict(gpus=8, shard_group=3), "shard_group=3 gives shard groups of 3 ranks, which do not "
+                                  "divide the 8"),
 ])
 def test_write_page_refuses_a_state_it_cannot_show(tmp_path, state, message):
     with pytest.raises(ValueError, match=message):

@@ -11,7 +11,9 @@ import pytest
 from zeroshard.plan import (
     PRESETS,
     ModelSpec,
+    ParallelDims,
     Workload,
+    ZeroConfig,
     first_fit,
     floor_bytes,
     get_recipe,
@@ -45,25 +47,30 @@ def session(tmp_path_factory):
 def answers(c: dict) -> dict[int, dict]:
     """The four answers, from the Python planner."""
     unit, recipe = UNITS[c["unit"]], get_recipe(c["recipe"])
+
+    def config(stage, name=None):  # the page's recipe, taken whole
+        return ZeroConfig(stage=stage, mixed_precision=get_recipe(name) if name else recipe)
+
     work = Workload(c["tokens"], c.get("seq_len"), c["checkpointing"], c.get("flash", False))
     model = model_of(c)
     budget = int(c["mem"] * unit)
     m7, m70 = (ModelSpec.from_arch(PRESETS[n]) for n in ("llama2-7b", "llama2-70b"))
-    fits = [first_fit(plan_all(m7, 8, recipe, work, int(g * unit))) or "none" for g in (80, 24)]
+    fits = [first_fit(plan_all(m7, ParallelDims(8), config(3), work, int(g * unit))) or "none"
+            for g in (80, 24)]
 
     def z1(n):
-        return plan_strategy(model, n, recipe, work=work, strategy="ZeRO-1").total
+        return plan_strategy(model, ParallelDims(n), config(1), work=work).total
 
     knee = next((n for n in (8, 16, 32, 64, 128, 256) if z1(n) - z1(2 * n) < unit), None)
-    need = min_gpus(m70, recipe, "ZeRO-3", int(80 * unit), work, c.get("step"))
-    ddp = {r: plan_strategy(model, c["gpus"], get_recipe(r), "DDP", work, budget)
+    need = min_gpus(m70, config(3), int(80 * unit), work, c.get("step"))
+    ddp = {r: plan_strategy(model, ParallelDims(c["gpus"]), config(0, r), work, budget)
            for r in ("bf16-mixed-adamw", "fp32-adamw")}
 
     def cmp(field):
         a, b = (getattr(ddp[r], field) for r in ("bf16-mixed-adamw", "fp32-adamw"))
         return "grows" if b > a else "shrinks" if b < a else "stays the same"
 
-    z1_floor = floor_bytes(model, recipe, "ZeRO-1")
+    z1_floor = floor_bytes(model, config(1))
     return {
         1: {"fit80": fits[0], "fit24": fits[1]},
         2: {"knee": str(knee) if knee else "never", "floor": "weights + grads (+ activations)",

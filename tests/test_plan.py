@@ -10,7 +10,9 @@ from zeroshard.cli import main
 from zeroshard.plan import (
     PRESETS,
     ModelSpec,
+    ParallelDims,
     Workload,
+    ZeroConfig,
     activation_bytes,
     first_fit,
     from_hf_config,
@@ -23,6 +25,13 @@ from zeroshard.plan import (
 
 BF16 = get_recipe("bf16-mixed-adamw")
 GB = 1e9
+
+
+def config(recipe, stage=3, **options) -> ZeroConfig:
+    """The planner's configuration: ``recipe`` taken whole (reduced in its own dtype)."""
+    return ZeroConfig(stage=stage, mixed_precision=recipe, **options)
+
+
 M7 = ModelSpec("7B-style", 6_738_149_376, 4096, 32)
 M70 = ModelSpec("70B-style", 68_975_329_280, 8192, 80)
 
@@ -90,7 +99,7 @@ def test_70b_min_gpus(capsys):
     assert round(mins["ZeRO-1"]["floor"] / GB, 1) == 275.9
     assert mins["DDP"]["gpus"] is None
     # any GPU count, not only powers of two: 15 already fits (73.57 + 3.255 GB)
-    assert min_gpus(M70, BF16, "ZeRO-3", 80 * 10**9, step=1).gpus == 15
+    assert min_gpus(M70, config(BF16), 80 * 10**9, step=1).gpus == 15
     assert main(["plan", "--params", "68975329280", "--hidden", "8192", "--layers", "80",
                  "--min-gpus"]) == 0
     text = capsys.readouterr().out
@@ -110,8 +119,9 @@ def test_13b_on_16_gpus_without_activations(capsys):
 
 def test_fp32_recipe_moves_bytes_between_categories():
     work = Workload()
-    bf16 = {p.strategy: p for p in plan_all(M7, 8, BF16, work)}
-    fp32 = {p.strategy: p for p in plan_all(M7, 8, get_recipe("fp32-adamw"), work)}
+    bf16 = {p.strategy: p for p in plan_all(M7, ParallelDims(8), config(BF16), work)}
+    fp32 = {p.strategy: p for p in plan_all(M7, ParallelDims(8),
+                                             config(get_recipe("fp32-adamw")), work)}
     P = M7.params
     assert fp32["DDP"].optimizer == 8 * P < bf16["DDP"].optimizer == 12 * P
     assert fp32["DDP"].weights + fp32["DDP"].grads + fp32["DDP"].optimizer == 16 * P
@@ -123,13 +133,14 @@ def test_ring_accounting():
     T, N = 2 * 1000, 8
     assert ring_all_reduce(T, N) == 2 * (N - 1) * T // N
     assert ring_one_way(T, N) == (N - 1) * T // N
-    p = {x.strategy: x for x in plan_all(ModelSpec("m", 1000), N, BF16)}
+    p = {x.strategy: x for x in plan_all(ModelSpec("m", 1000), ParallelDims(N), config(BF16))}
     assert p["DDP"].comm == ring_all_reduce(2 * 1000, N)
     assert p["ZeRO-2"].comm == 2 * ring_one_way(2 * 1000, N)
     assert p["ZeRO-3"].comm == 3 * ring_one_way(2 * 1000, N)
     # gradients reduced in fp32 beside bf16 weights: the reduce half doubles
     fp32_reduce = BF16.with_reduce_dtype("fp32")
-    p = {x.strategy: x for x in plan_all(ModelSpec("m", 1000), N, fp32_reduce)}
+    p = {x.strategy: x for x in plan_all(ModelSpec("m", 1000), ParallelDims(N),
+                                         config(fp32_reduce))}
     assert p["ZeRO-1"].comm == ring_one_way(4000, N) + ring_one_way(2000, N)
 
 
@@ -248,7 +259,7 @@ def test_bad_hf_configs(tmp_path, capsys):
 def test_first_fit_none_explains(capsys):
     assert main(["plan", "--model", "llama2-70b", "--gpus", "2"]) == 0
     assert "nothing fits on 2 GPUs; ZeRO-3 fits from 16 GPUs" in capsys.readouterr().out
-    assert first_fit(plan_all(M70, 2, BF16, budget=10**9)) is None
+    assert first_fit(plan_all(M70, ParallelDims(2), config(BF16), budget=10**9)) is None
 
 
 def test_sweep_and_plot(tmp_path, capsys):
@@ -268,7 +279,8 @@ def test_gib_switches_units(capsys):
 
 
 def test_plan_never_imports_torch():
-    code = ("import sys, zeroshard.plan, zeroshard.cli as c; c.main(['plan', '--json']);"
+    code = ("import sys, zeroshard.plan, zeroshard.commands.plan, zeroshard.cli as c; "
+            "c.main(['plan', '--json']);"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 

@@ -2,7 +2,7 @@
 
 The placement itself (device, host and disk bytes against the engine's ledger) is
 ``tests/test_plan_offload.py``'s; here the figures built on it: the peak's host bytes
-and a node's host memory follow ``placed_bytes(..., offload_dir=True)`` while the
+and a node's host memory follow ``placed_bytes`` on disk while the
 device's moments stay host offload's, and the step pays the streamed step's disk I/O
 (``offload.streamed_step``), worked by hand on a toy case.
 """
@@ -11,7 +11,16 @@ import json
 
 import pytest
 
-from zeroshard.plan import ModelSpec, Schedule, Workload, get_preset, get_recipe
+from zeroshard.plan import (
+    PLANNED_DISK,
+    ModelSpec,
+    ParallelDims,
+    Schedule,
+    Workload,
+    ZeroConfig,
+    get_preset,
+    get_recipe,
+)
 from zeroshard.plan.hardware import (
     HOSTS,
     Cluster,
@@ -29,6 +38,17 @@ from zeroshard.plan.steptime import step_time
 
 BF16, FP32 = get_recipe("bf16-mixed-adamw"), get_recipe("fp32-adamw")
 LLAMA7 = ModelSpec.from_arch(get_preset("llama2-7b"))
+ON8 = ParallelDims(8)
+
+
+def config(recipe, stage=3, **options) -> ZeroConfig:
+    """The planner's configuration: ``recipe`` taken whole (reduced in its own dtype)."""
+    return ZeroConfig(stage=stage, mixed_precision=recipe, **options)
+
+
+def on_disk(recipe, stage=3, **options) -> ZeroConfig:
+    """Offloaded to disk as ``--offload-dir`` plans it: no folder (``PLANNED_DISK``)."""
+    return config(recipe, stage, offload="optimizer", offload_dir=PLANNED_DISK, **options)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -38,33 +58,40 @@ def test_peak_host_is_the_disk_placement_device_unchanged(stage, recipe):
     temporaries: the streamed step runs the fused kernel), and nothing on the device
     moves: every moment of the step is host offload's."""
     work, sub = Workload(2048), 50_000_000
-    disk = peak(LLAMA7, recipe, work, 8, stage, offload="optimizer", offload_dir=True,
-                sub_group_size=sub)
-    host = peak(LLAMA7, recipe, work, 8, stage, offload="optimizer")
-    placed = placed_bytes(LLAMA7.params, 8, recipe, stage, "optimizer", offload_dir=True,
-                          sub_group_size=sub)
+    disk = peak(LLAMA7, ON8, on_disk(recipe, stage, sub_group_size=sub), work)
+    host = peak(LLAMA7, ON8, config(recipe, stage, offload="optimizer"), work)
+    placed = placed_bytes(LLAMA7.params, ON8, on_disk(recipe, stage, sub_group_size=sub))
     n = -(-LLAMA7.params // 8)
     assert disk.host == placed.host.total == 4 * n + 2 * 12 * sub
     assert disk.phases == host.phases and disk.bytes == host.bytes
     assert host.host > disk.host + 12 * n  # the master and the moments left for the files
-    plans = plan_all(LLAMA7, 8, recipe, work, offload="optimizer", offload_dir=True,
-                     sub_group_size=sub)
-    plain = plan_all(LLAMA7, 8, recipe, work, offload="optimizer")
+    plans = plan_all(LLAMA7, ON8, on_disk(recipe, sub_group_size=sub), work)
+    plain = plan_all(LLAMA7, ON8, config(recipe, offload="optimizer"), work)
     assert plans[stage].host == disk.host and plans[stage].total == plain[stage].total
     assert plans[stage].placement.host_per_node(8) == 8 * disk.host
     assert plans[stage].placement.disk.total == 12 * n
 
 
-def test_disk_needs_an_offload_in_every_entry_point():
-    msg = "offload_dir keeps the offloaded optimizer state on disk"
+def test_disk_needs_an_offload_in_every_entry_point(tmp_path):
+    """Every entry point takes a ``ZeroConfig``, which refuses a disk without an offload
+    (a planned one or a real folder alike) and a bad sub-group size, in the engine's
+    words; the planned disk is priced as a real folder is, and runs nowhere."""
+    import os
+
+    msg = "offload_dir=PLANNED_DISK keeps the offloaded optimizer state on disk"
     with pytest.raises(ValueError, match=msg):
-        peak(LLAMA7, BF16, Workload(), 8, 3, offload_dir=True)
-    with pytest.raises(ValueError, match=msg):
-        plan_all(LLAMA7, 8, BF16, offload_dir=True)
-    with pytest.raises(ValueError, match=msg):
-        Schedule(3, offload_dir=True)
+        config(BF16, offload_dir=PLANNED_DISK)
+    with pytest.raises(ValueError, match=f"offload_dir='{tmp_path}' keeps the offloaded"):
+        config(BF16, offload_dir=str(tmp_path))
     with pytest.raises(ValueError, match="sub_group_size=0 must be an integer >= 1"):
-        Schedule(3, offload="optimizer", offload_dir=True, sub_group_size=0)
+        on_disk(BF16, sub_group_size=0)
+    real = config(BF16, offload="optimizer", offload_dir=str(tmp_path))
+    assert [p.as_dict() for p in plan_all(LLAMA7, ON8, real)] == [
+        p.as_dict() for p in plan_all(LLAMA7, ON8, on_disk(BF16))]
+    assert peak(LLAMA7, ON8, real, Workload()) == peak(LLAMA7, ON8, on_disk(BF16), Workload())
+    with pytest.raises(ValueError, match="offload_dir=PLANNED_DISK plans disk offload "
+                                         "without a folder"):
+        os.fspath(on_disk(BF16).offload_dir)  # the engine makes its files through this
 
 
 def test_streamed_step_by_hand():
@@ -90,10 +117,10 @@ def test_step_time_adds_the_drive_by_hand():
     model = ModelSpec("toy", 8_000_000, 512, 4, 8)
     host = Host("toy", Link("toy link", 10e9, 0.0), 56e9, 12e9)
     cluster = Cluster(get_accelerator("h100"), get_network("loopback"), 2, host)
-    work = Workload(512)
-    base = Schedule(3, offload="optimizer")
-    disk = Schedule(3, offload="optimizer", offload_dir=True, sub_group_size=1_500_000)
-    plain, streamed = (step_time(model, FP32, work, 2, cluster, s) for s in (base, disk))
+    work, on2 = Workload(512), ParallelDims(2)
+    base = config(FP32, offload="optimizer")
+    disk = on_disk(FP32, sub_group_size=1_500_000)
+    plain, streamed = (step_time(model, on2, c, work, cluster, Schedule()) for c in (base, disk))
     assert plain.optimizer == streamed.optimizer == pytest.approx(4e-3)
     assert streamed.disk == pytest.approx(8e-3) and plain.disk == 0
     assert streamed.disk_wait == pytest.approx(4e-3)
@@ -101,7 +128,7 @@ def test_step_time_adds_the_drive_by_hand():
     assert streamed.exposed == pytest.approx(plain.exposed)
     # a drive faster than the host step hides behind it but for the two ends' 1.5 + 1 ms
     quick = Cluster(cluster.accelerator, cluster.network, 2, Host("q", host.pcie, 56e9, 120e9))
-    fast = step_time(model, FP32, work, 2, quick, disk)
+    fast = step_time(model, on2, disk, work, quick)
     assert fast.disk_wait == pytest.approx(0.15e-3 + 0.1e-3)
 
 
@@ -152,8 +179,8 @@ def test_recommend_on_disk_says_the_disk_seconds():
     on the device; the offload reason names the drive's seconds."""
     model = ModelSpec.from_arch(get_preset("llama2-70b"))
     cluster = Cluster(get_accelerator("h100"), get_network("nvlink4-ndr"))
-    rec = recommend(model, BF16, 8, 80 * 10**9, cluster, 64, 2048, tp=1, prefetch=1,
-                    offload_dir=True)
+    rec = recommend(model, config(BF16), 8, 80 * 10**9, cluster, 64, 2048, tp=1, prefetch=1,
+                    offload_dir=PLANNED_DISK)
     b = rec.best
     assert (b.offload, b.offload_dir, b.stage) == ("optimizer", True, 3)
     n = -(-model.params // 8)

@@ -11,7 +11,7 @@ the engine and checks the record is still what it measures (a few seconds per ra
 
 import pytest
 
-from zeroshard.plan import get_recipe
+from zeroshard.plan import ParallelDims, ZeroConfig, get_recipe
 from zeroshard.plan.memory import (
     comm_bytes,
     comm_bytes_by_level,
@@ -22,6 +22,15 @@ from zeroshard.plan.memory import (
 )
 
 FP32 = get_recipe("fp32-adamw")
+
+
+def config(stage: int, recipe=FP32) -> ZeroConfig:
+    """The planner's configuration: ``recipe`` taken whole (reduced in its own dtype)."""
+    return ZeroConfig(stage=stage, mixed_precision=recipe)
+
+
+def dims(gpus: int, k: int | None = None) -> ParallelDims:
+    return ParallelDims(gpus, shard=k)
 N, K, P = 4, 2, 650  # engine_cases.MLP(): 110 in the root unit, 180 in each of 3 blocks
 #: Per unit, the reduced slot of one rank and its presence flags: (elements, flags).
 UNITS = [(55, 4), (90, 4), (90, 4), (90, 4)]
@@ -54,32 +63,33 @@ def test_the_record_is_unpadded():
 
 @pytest.mark.parametrize("stage", range(4))
 def test_memory_per_category_is_the_planners_at_k(stage):
-    weights, grads, optimizer = model_state_bytes(P, N, FP32, stage, shard_group=K)
+    weights, grads, optimizer = model_state_bytes(P, dims(N, K), config(stage))
     assert ENGINE[stage]["memory"] == {"params": weights, "grads": grads,
                                        "optimizer": optimizer}
-    assert (weights, grads, optimizer) == model_state_bytes(P, K, FP32, stage)  # plain at K
+    assert (weights, grads, optimizer) == model_state_bytes(P, dims(K), config(stage))  # plain
 
 
 @pytest.mark.parametrize("stage", range(4))
 def test_bytes_per_level_are_the_planners_plus_flags(stage):
-    planned = comm_bytes_by_level(P, N, FP32, stage, K)
+    planned = comm_bytes_by_level(P, dims(N, K), config(stage))
     flags = flag_bytes(stage)
     for level in ("inside", "across"):
         assert sum(ENGINE[stage][level].values()) == planned[level] + flags[level], level
-    assert comm_bytes(P, N, FP32, stage, shard_group=K) == sum(planned.values())
+    assert comm_bytes(P, dims(N, K), config(stage)) == sum(planned.values())
 
 
 def test_levels_by_hand_70b_on_64_in_nodes_of_8():
     """Llama-2-70B's count, bf16 (r = w = 2), N = 64 as 8 nodes of 8."""
     p, bf16 = 68_976_648_192, get_recipe("bf16-mixed-adamw")
-    z3 = comm_bytes_by_level(p, 64, bf16, 3, 8)
+    z3 = comm_bytes_by_level(p, dims(64, 8), config(3, bf16))
     assert z3 == {"inside": 7 * (2 * p + 2 * 2 * p) // 8,  # reduce-scatter + 2 gathers over 8
                   "across": 2 * 7 * (2 * p // 8) // 8}  # 1/8 of the gradients over 8 replicas
-    assert comm_bytes_by_level(p, 64, bf16, 0, 8) == {"inside": 2 * 7 * 2 * p // 8,
-                                                      "across": 2 * 7 * 2 * p // 8}
-    plain = comm_bytes_by_level(p, 64, bf16, 3)
-    assert plain == {"inside": comm_bytes(p, 64, bf16, 3), "across": 0}
-    assert model_state_bytes(p, 64, bf16, 3, shard_group=8) == model_state_bytes(p, 8, bf16, 3)
+    assert comm_bytes_by_level(p, dims(64, 8), config(0, bf16)) == {
+        "inside": 2 * 7 * 2 * p // 8, "across": 2 * 7 * 2 * p // 8}
+    plain = comm_bytes_by_level(p, dims(64), config(3, bf16))
+    assert plain == {"inside": comm_bytes(p, dims(64), config(3, bf16)), "across": 0}
+    assert model_state_bytes(p, dims(64, 8), config(3, bf16)) == model_state_bytes(
+        p, dims(8), config(3, bf16))
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -87,19 +97,24 @@ def test_degenerate_groups(stage):
     """K = N is plain sharding; K = 1 shards nothing (DDP's memory) and sends nothing
     inside, and stage 0 across all N is DDP's all-reduce."""
     p = 6_738_415_616
-    bf16 = get_recipe("bf16-mixed-adamw")
-    assert comm_bytes_by_level(p, 8, bf16, stage, 8) == comm_bytes_by_level(p, 8, bf16, stage)
-    assert model_state_bytes(p, 8, bf16, stage, shard_group=1) == model_state_bytes(p, 1, bf16, 0)
-    one = comm_bytes_by_level(p, 8, bf16, stage, 1)
+    bf16 = config(stage, get_recipe("bf16-mixed-adamw"))
+    assert comm_bytes_by_level(p, dims(8, 8), bf16) == comm_bytes_by_level(p, dims(8), bf16)
+    assert model_state_bytes(p, dims(8, 1), bf16) == model_state_bytes(p, dims(1),
+                                                                       bf16.at_stage(0))
+    one = comm_bytes_by_level(p, dims(8, 1), bf16)
     assert one["inside"] == 0 and one["across"] == ring_all_reduce(2 * p, 8)
 
 
 def test_a_group_that_does_not_divide_is_named():
-    with pytest.raises(ValueError, match=r"shard_group=3 does not divide the 8 data-parallel "
-                                         r"ranks; expected one of \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"shard_group=3 gives shard groups of 3 ranks, which "
+                                         r"do not divide the 8 data-parallel ranks; expected "
+                                         r"one of \[1, 2, 4, 8\]"):
         shard_degree(8, 1, 3)
-    with pytest.raises(ValueError, match="shard_group=0 must be a positive integer"):
-        comm_bytes_by_level(1, 8, FP32, 3, 0)
+    with pytest.raises(ValueError, match="shard_group=0; expected None, an integer >= 1"):
+        comm_bytes_by_level(1, dims(8, 0), config(3))
+    with pytest.raises(ValueError, match="shard_group=4 in the ZeroConfig, but the layout "
+                                         "shards over 8 ranks"):  # a bridge's two answers
+        comm_bytes_by_level(1, dims(8), ZeroConfig(shard_group=4))
     assert shard_degree(16, 2, 4) == 4 and shard_degree(16, 2) == 8
 
 

@@ -9,14 +9,24 @@ import json
 import pytest
 
 from zeroshard.cli import main
-from zeroshard.plan import ModelSpec, Workload, get_preset, plan_strategy
+from zeroshard.plan import ModelSpec, ParallelDims, Workload, get_preset, plan_strategy
 from zeroshard.plan.hardware import Accelerator, Cluster, Link, Network, get_network
 from zeroshard.plan.memory import comm_bytes_by_level, model_state_bytes
 from zeroshard.plan.peak import peak
 from zeroshard.plan.recommend import recommend, shard_groups
 from zeroshard.plan.steptime import Schedule, ring_time, step_time
 
-from .test_plan_time import BF16, CAST0, LAND0, MS, PACK, TOY, TOY_LINK, WORK, optimizer
+from .test_plan_time import (
+    CAST0,
+    LAND0,
+    MS,
+    PACK,
+    TOY,
+    TOY_LINK,
+    WORK,
+    config,
+    optimizer,
+)
 
 #: The toy cluster of test_plan_time as 2 nodes of 2: 1 GB/s inside a node, ``inter``
 #: between nodes.
@@ -40,7 +50,7 @@ def test_stage0_in_groups_lands_every_replica_all_reduce_on_the_compute_path():
     # behind backward as at N = 2; at the end of backward each landing waits for the
     # all-reduce of the whole buffer (500 kB) across the 2 nodes, 0.5 ms at 1 GB/s, in
     # turn: 4 x 0.5 ms exposed, the last inside all-reduce hidden behind the first three
-    t = step_time(TOY, BF16, WORK, 4, nodes(TOY_LINK), Schedule(0, shard_group=2))
+    t = step_time(TOY, ParallelDims(4, shard=2), config(0), WORK, nodes(TOY_LINK))
     assert t.across == pytest.approx(4 * 0.5 * MS)
     assert t.step == pytest.approx(6 * MS + 4 * PACK + 4 * LAND0 + 2 * MS + 4 * CAST0
                                    + optimizer(0))
@@ -54,11 +64,11 @@ def test_inside_a_group_is_plain_sharding_over_k(stage):
     across seconds (the reduced slot, 250 kB from stage 1, over 2) sit on the compute
     path: each adds to the exposed time."""
     free = nodes(Link("free", 1e30, 0.0))
-    plain = step_time(TOY, BF16, WORK, 2, free, Schedule(stage))
-    hybrid = step_time(TOY, BF16, WORK, 4, free, Schedule(stage, shard_group=2))
+    plain = step_time(TOY, ParallelDims(2), config(stage), WORK, free)
+    hybrid = step_time(TOY, ParallelDims(4, shard=2), config(stage), WORK, free, Schedule())
     for field in ("step", "compute", "copies", "optimizer", "comm", "exposed"):
         assert getattr(hybrid, field) == pytest.approx(getattr(plain, field), abs=1e-12), field
-    slow = step_time(TOY, BF16, WORK, 4, nodes(TOY_LINK), Schedule(stage, shard_group=2))
+    slow = step_time(TOY, ParallelDims(4, shard=2), config(stage), WORK, nodes(TOY_LINK))
     slot = 500_000 / (1 if stage == 0 else 2)
     assert slow.across == pytest.approx(4 * ring_time("all_reduce", slot, 2, TOY_LINK))
     assert slow.exposed >= slow.across - 1e-12
@@ -70,12 +80,15 @@ def test_a_plain_group_is_plain():
     model = ModelSpec.from_arch(get_preset("llama2-7b"))
     work = Workload(2048)
     for stage in range(4):
-        assert step_time(model, BF16, work, 16, c, Schedule(stage, shard_group=16)) == \
-            step_time(model, BF16, work, 16, c, Schedule(stage))
-    with pytest.raises(ValueError, match="shard_group=0 must be an integer >= 1"):
-        Schedule(3, shard_group=0)
-    with pytest.raises(ValueError, match="shard_group=3 does not divide the 16"):
-        step_time(model, BF16, work, 16, c, Schedule(3, shard_group=3))
+        assert step_time(model, ParallelDims(16, shard=16), config(stage), work, c) == \
+            step_time(model, ParallelDims(16), config(stage), work, c)
+        assert step_time(model, ParallelDims(16, shard=16), config(stage, shard_group=16),
+                         work, c) == step_time(model, ParallelDims(16), config(stage), work, c)
+    with pytest.raises(ValueError, match="shard_group=0; expected None, an integer >= 1"):
+        config(3, shard_group=0)
+    with pytest.raises(ValueError, match="shard_group=3 gives shard groups of 3 ranks, which "
+                                         "do not divide the 16"):
+        step_time(model, ParallelDims(16, shard=3), config(3), work, c)
 
 
 M70 = ModelSpec.from_arch(get_preset("llama2-70b"))
@@ -84,21 +97,22 @@ H100 = Cluster(Accelerator("h100", 989e12, 3.35e12), get_network("nvlink4-ndr"))
 
 def test_70b_on_64_h100s_plain_zero3_against_groups_of_a_node():
     """The report's figures: memory, bytes per level and peak, plain and K = 8."""
-    work = Workload(2048)
-    plain = plan_strategy(M70, 64, BF16, 3, work)
-    node = plan_strategy(M70, 64, BF16, 3, work, shard_group=8)
+    work, on64, in8 = Workload(2048), ParallelDims(64), ParallelDims(64, shard=8)
+    plain = plan_strategy(M70, on64, config(3), work)
+    node = plan_strategy(M70, in8, config(3), work)
     assert (round(plain.total / 1e9, 2), round(node.total / 1e9, 2)) == (22.41, 143.12)
-    assert node.weights + node.grads + node.optimizer == sum(model_state_bytes(M70.params, 8,
-                                                                              BF16, 3))
+    assert node.weights + node.grads + node.optimizer == sum(model_state_bytes(
+        M70.params, ParallelDims(8), config(3)))
     assert (plain.comm_inside, plain.comm_across) == (plain.comm, 0)
     assert {"inside": node.comm_inside, "across": node.comm_across} == comm_bytes_by_level(
-        M70.params, 64, BF16, 3, 8)
+        M70.params, in8, config(3))
     assert round(node.comm_across / 1e9, 2) == 30.18 and round(node.comm / 1e9, 2) == 392.30
-    assert peak(M70, BF16, work, 64, 3, shard_group=8).bytes == peak(M70, BF16, work, 8, 3).bytes
+    assert peak(M70, in8, config(3), work).bytes == peak(M70, ParallelDims(8), config(3),
+                                                          work).bytes
 
 
 def test_recommend_weighs_groups_of_nodes_and_keeps_plain_on_nvlink_ndr():
-    rec = recommend(M70, BF16, 64, 80 * 10**9, H100, 1024, 2048)
+    rec = recommend(M70, config(), 64, 80 * 10**9, H100, 1024, 2048)
     b = rec.best
     assert (b.strategy, b.tp, b.shard_group) == ("ZeRO-3", 1, None)
     why = rec.reasons["shard group"]
@@ -114,7 +128,7 @@ def test_recommend_takes_a_node_group_on_slow_links():
     in groups of a node they stay on PCIe and 1/8 of the gradients crosses."""
     m13 = ModelSpec.from_arch(get_preset("llama2-13b"))
     roce = Cluster(H100.accelerator, get_network("pcie4-roce"))
-    rec = recommend(m13, BF16, 256, 80 * 10**9, roce, 1024, 2048)
+    rec = recommend(m13, config(), 256, 80 * 10**9, roce, 1024, 2048)
     b = rec.best
     assert (b.strategy, b.shard_group) == ("ZeRO-3", 8)
     assert rec.reasons["shard group"].startswith(
@@ -125,10 +139,10 @@ def test_recommend_takes_a_node_group_on_slow_links():
 
 
 def test_recommend_with_a_fixed_group():
-    rec = recommend(M70, BF16, 64, 80 * 10**9, H100, 1024, 2048, tp=1, shard_group=32)
+    rec = recommend(M70, config(shard_group=32), 64, 80 * 10**9, H100, 1024, 2048, tp=1)
     assert {c.shard_group for c in (rec.best, *rec.runners_up)} == {32}
     assert rec.reasons["shard group"].endswith("the only layout tried")
-    none = recommend(M70, BF16, 64, 80 * 10**9, H100, 1024, 2048, shard_group="node")
+    none = recommend(M70, config(shard_group="node"), 64, 80 * 10**9, H100, 1024, 2048)
     assert none.best is None
     assert "in shard groups of a node (8 GPUs): even ZeRO-3" in none.reasons["none"]
 
@@ -140,8 +154,8 @@ def test_plan_cli_by_level(capsys):
     z3 = out["strategies"][3]
     assert out["shard_group"] == 8 and z3["shard_group"] == 8
     assert {"inside": z3["comm_inside"], "across": z3["comm_across"]} == comm_bytes_by_level(
-        M70.params, 64, BF16, 3, 8)
-    assert z3["peak"]["peak"] == peak(M70, BF16, Workload(2048), 8, 3).bytes
+        M70.params, ParallelDims(64, shard=8), config(3))
+    assert z3["peak"]["peak"] == peak(M70, ParallelDims(8), config(3), Workload(2048)).bytes
     assert main(["plan", "--model", "llama2-13b", "--gpus", "64", "--shard-group", "8",
                  "--time"]) == 0
     text = capsys.readouterr().out

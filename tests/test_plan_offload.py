@@ -13,14 +13,11 @@ import json
 import pytest
 
 import zeroshard as zs
-from zeroshard.plan import get_recipe
+from zeroshard.plan import PLANNED_DISK, ParallelDims, ZeroConfig, get_recipe
 from zeroshard.plan.offload import (
     SUB_GROUP_SIZE,
-    check_offload,
     disk_io_bytes,
     host_step_bytes,
-    offload_at,
-    on_disk,
     pcie_bytes,
     placed_bytes,
     sub_group_buffers,
@@ -28,6 +25,11 @@ from zeroshard.plan.offload import (
 
 N, P = 2, 650
 RECIPES = {None: get_recipe("fp32-adamw"), "bf16": get_recipe("bf16-mixed-adamw")}
+
+
+def config(recipe, stage=3, offload=None, **options) -> ZeroConfig:
+    """The planner's configuration: ``recipe`` taken whole (reduced in its own dtype)."""
+    return ZeroConfig(stage=stage, mixed_precision=recipe, offload=offload, **options)
 #: (precision, stage, offload) -> {"device": {...}, "host": {...}}, zero categories left out
 ENGINE = {
     (None, 1, None): ({"params": 2600, "grads": 2600, "optimizer": 2600, "buffers": 1300}, {}),
@@ -68,7 +70,7 @@ DISK = {
 
 def planned(precision, stage, offload) -> tuple[dict, dict]:
     """``placed_bytes`` in the ledger's names, zero categories left out."""
-    placed = placed_bytes(P, N, RECIPES[precision], stage, offload)
+    placed = placed_bytes(P, ParallelDims(N), config(RECIPES[precision], stage, offload))
 
     def named(b):
         out = {"params": b.weights, "grads": b.grads, "optimizer": b.optimizer,
@@ -95,8 +97,8 @@ def test_disk_placement_is_the_engines(case):
     element (two once the partition makes two sub-groups); the disk the master and
     both moments."""
     precision, stage = case
-    placed = on_disk(placed_bytes(P, N, RECIPES[precision], stage, "optimizer"), P, N,
-                     RECIPES[precision], stage, sub_group_size=SUB)
+    placed = placed_bytes(P, ParallelDims(N), config(
+        RECIPES[precision], stage, "optimizer", offload_dir=PLANNED_DISK, sub_group_size=SUB))
     assert (_named(placed.device), _named(placed.host), _named(placed.disk)) == DISK[case]
 
 
@@ -111,8 +113,9 @@ def test_sub_group_buffers_by_hand():
     with pytest.raises(ValueError, match="sub_group_size=0 must be an integer >= 1"):
         sub_group_buffers(10, 12, 0)
     p, bf16 = 68_976_648_192, RECIPES["bf16"]
-    assert disk_io_bytes(p, 8, bf16, 3, "optimizer") == {"read": 12 * p // 8,
-                                                         "write": 12 * p // 8}
+    disk = config(bf16, 3, "optimizer", offload_dir=PLANNED_DISK)
+    assert disk_io_bytes(p, ParallelDims(8), disk) == {"read": 12 * p // 8,
+                                                       "write": 12 * p // 8}
 
 
 def test_offload_changes_where_not_how_much_on_the_device():
@@ -171,16 +174,16 @@ def test_engine_still_records_these(tmp_path):
 
 def test_pcie_and_host_step_by_hand():
     """Llama-2-70B's count on 8 GPUs, bf16 (w = 2, m = 4), 4 micro-batches."""
-    p, bf16 = 68_976_648_192, RECIPES["bf16"]
+    p, bf16, on8 = 68_976_648_192, RECIPES["bf16"], ParallelDims(8)
     n = p // 8
-    assert pcie_bytes(p, 8, bf16, 3, "optimizer", micro_batches=4) == {"down": 4 * 4 * n,
-                                                                       "up": 2 * n}
-    assert pcie_bytes(p, 8, bf16, 3, "params", micro_batches=4) == {"down": 4 * 4 * n,
-                                                                    "up": 2 * 4 * 2 * n}
-    assert pcie_bytes(p, 8, bf16, 2, None) == {"down": 0, "up": 0}
-    assert host_step_bytes(bf16, "optimizer") == 30  # docs/offload.md: 28 + the bf16 cast
-    assert host_step_bytes(RECIPES[None], "optimizer") == 28
-    assert placed_bytes(p, 8, bf16, 3, "optimizer").host_per_node(8) == 8 * 16 * n
+    assert pcie_bytes(p, on8, config(bf16, 3, "optimizer"), micro_batches=4) == {
+        "down": 4 * 4 * n, "up": 2 * n}
+    assert pcie_bytes(p, on8, config(bf16, 3, "params"), micro_batches=4) == {
+        "down": 4 * 4 * n, "up": 2 * 4 * 2 * n}
+    assert pcie_bytes(p, on8, config(bf16, 2)) == {"down": 0, "up": 0}
+    assert host_step_bytes(bf16) == 30  # docs/offload.md: 28 + the bf16 cast
+    assert host_step_bytes(RECIPES[None]) == 28
+    assert placed_bytes(p, on8, config(bf16, 3, "optimizer")).host_per_node(8) == 8 * 16 * n
 
 
 @pytest.mark.parametrize("offload,stage,message", [
@@ -190,14 +193,21 @@ def test_pcie_and_host_step_by_hand():
     ("nvme", 3, "offload='nvme'; expected None, 'optimizer' or 'params'"),
 ])
 def test_bad_offload_in_the_engines_words(offload, stage, message):
+    """The planner's input is the engine's ``ZeroConfig``: its refusal, its words."""
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        check_offload(offload, stage)
+        config(RECIPES[None], stage, offload)
 
 
 def test_each_strategy_takes_what_it_can():
-    assert [offload_at(s, "params") for s in range(4)] == [None, "optimizer", "optimizer",
-                                                           "params"]
-    assert [offload_at(s, None) for s in range(4)] == [None] * 4
+    """``ZeroConfig.at_stage``: the most of the offload each stage takes, the disk with
+    it (the plan table's rows)."""
+    both = config(RECIPES[None], 3, "params", offload_dir=PLANNED_DISK)
+    assert [both.at_stage(s).offload for s in range(4)] == [None, "optimizer", "optimizer",
+                                                            "params"]
+    assert [both.at_stage(s).offload_dir for s in range(4)] == [None] + [PLANNED_DISK] * 3
+    assert [both.at_stage(s).policy.where("optimizer") for s in range(4)] == [
+        "device", "disk", "disk", "disk"]
+    assert [config(RECIPES[None]).at_stage(s).offload for s in range(4)] == [None] * 4
 
 
 def _plan(capsys, *argv):
@@ -262,18 +272,17 @@ def test_step_time_charges_pcie_and_the_host_step():
     model = ModelSpec.from_arch(get_preset("llama2-7b"))
     host = get_host("pcie5", 400e9)
     cluster = Cluster(get_accelerator("h100"), get_network("loopback"), 4, host)
-    work, bf16 = Workload(4096, 4096), RECIPES["bf16"]
-    plain = step_time(model, bf16, work, 8, cluster, Schedule(3, micro_batches=2))
-    off = step_time(model, bf16, work, 8, cluster, Schedule(3, micro_batches=2,
-                                                            offload="optimizer"))
+    work, bf16, on8 = Workload(4096, 4096), RECIPES["bf16"], ParallelDims(8)
+    two = Schedule(micro_batches=2)
+    plain = step_time(model, on8, config(bf16), work, cluster, two)
+    off = step_time(model, on8, config(bf16, 3, "optimizer"), work, cluster, two)
     n = model.params / 8
     assert off.pcie == pytest.approx((2 * 4 * n + 2 * n) / 55e9)
     assert off.optimizer == pytest.approx(n * 30 / (400e9 / 4))
     assert off.step == pytest.approx(off.compute + off.tp_comm + off.optimizer + off.copies
                                      + off.comm + off.pcie)
     assert plain.pcie == 0 and off.compute == plain.compute and off.comm == plain.comm
-    params = step_time(model, bf16, work, 8, cluster, Schedule(3, micro_batches=2,
-                                                               offload="params"))
+    params = step_time(model, on8, config(bf16, 3, "params"), work, cluster, two)
     assert params.pcie == pytest.approx((2 * 4 * n + 2 * 2 * 2 * n) / 55e9)
 
 
@@ -288,14 +297,14 @@ def test_recommend_offers_offload_only_when_nothing_else_fits():
     )
 
     cluster = Cluster(get_accelerator("h100"), get_network("nvlink4-ndr"))
-    big = recommend(ModelSpec.from_arch(get_preset("llama2-70b")), RECIPES["bf16"], 8,
-                    80 * 10**9, cluster, 64, 2048)
+    big = recommend(ModelSpec.from_arch(get_preset("llama2-70b")), config(RECIPES["bf16"]),
+                    8, 80 * 10**9, cluster, 64, 2048)
     assert big.best.offload == "optimizer" and big.best.stage == 3
     why = big.reasons["offload"]
     assert why.startswith("optimizer: nothing fits 72.00 GB on the device without it")
     assert f"{big.best.time.pcie:.3f} s on the compute path" in why
     assert f"host step takes {big.best.time.optimizer:.3f} s" in why
     assert "DDP does not fit (needs 206.93 GB" in big.reasons["stage"]  # TP 8, on the device
-    small = recommend(ModelSpec.from_arch(get_preset("llama2-7b")), RECIPES["bf16"], 8,
-                      80 * 10**9, cluster, 64, 2048)
+    small = recommend(ModelSpec.from_arch(get_preset("llama2-7b")), config(RECIPES["bf16"]),
+                      8, 80 * 10**9, cluster, 64, 2048)
     assert small.best.offload is None and small.reasons["offload"].startswith("none")

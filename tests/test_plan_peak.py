@@ -8,30 +8,45 @@ from dataclasses import replace
 
 import pytest
 
-from zeroshard.plan import Architecture, ModelSpec, Workload, get_preset, get_recipe
+from zeroshard.plan import (
+    Architecture,
+    ModelSpec,
+    ParallelDims,
+    Workload,
+    ZeroConfig,
+    get_preset,
+    get_recipe,
+)
 from zeroshard.plan.backward import BackwardPass
 from zeroshard.plan.hardware import Cluster, get_accelerator, get_network
 from zeroshard.plan.peak import peak
 from zeroshard.plan.recommend import recommend
+from zeroshard.spec.policy import ShardPolicy
 
 BF16 = get_recipe("bf16-mixed-adamw")
 GB = 10**9
 H100 = Cluster(get_accelerator("h100"), get_network("nvlink4-ndr"), 8)
 M7 = ModelSpec("7B-style", 6_738_149_376, hidden=4096, layers=32)
+ON8 = ParallelDims(8)
+
+
+def config(stage: int = 3, recipe=BF16, **options) -> ZeroConfig:
+    """The planner's configuration: ``recipe`` taken whole (reduced in its own dtype)."""
+    return ZeroConfig(stage=stage, mixed_precision=recipe, **options)
 
 
 def test_step_holds_fp32_gradient_copies():
     """DDP on the 7B-style model: at the step the fp32 copies of all P gradients join
     the 16P of state (activations gone): 134.8 GB, where the source table's total is
     108.63; foreach AdamW adds sqrt(v) for every element, fused nothing."""
-    fused = peak(M7, BF16, Workload(), 8, 0, optimizer_impl="fused")
+    fused = peak(M7, ON8, config(0), Workload(), optimizer_impl="fused")
     assert fused.moment == "optimizer step"
     assert fused.phases["optimizer step"] == 20 * M7.params
     assert round(fused.bytes / GB, 1) == 134.8
-    foreach = peak(M7, BF16, Workload(), 8, 0)
+    foreach = peak(M7, ON8, config(0), Workload())
     assert foreach.bytes - fused.bytes == 4 * M7.params
     # ZeRO-3: 16P/8 of state and 4P/8 of fp32 copies at the step
-    z3 = peak(M7, BF16, Workload(), 8, 3, optimizer_impl="fused")
+    z3 = peak(M7, ON8, config(3), Workload(), optimizer_impl="fused")
     assert z3.phases["optimizer step"] == -(-16 * M7.params // 8) + 4 * M7.params // 8
 
 
@@ -40,7 +55,7 @@ def test_root_unit_is_embeddings_and_head():
     assert arch.root_params == 2 * 128256 * 4096 + 4096 == 1_050_677_248
     assert arch.root_params / (arch.params / arch.layers) == pytest.approx(4.19, abs=0.01)
     model = ModelSpec.from_arch(arch)
-    p = peak(model, BF16, Workload(8192, 8192, flash_attention=True), 8, 3, prefetch=1)
+    p = peak(model, ON8, config(3, prefetch=1), Workload(8192, 8192, flash_attention=True))
     # stage 3 at the loss's backward: the root unit gathered, one block arriving
     assert p.root_gathered == 2 * (arch.root_params + arch.block_params)
 
@@ -49,7 +64,7 @@ def test_loss_path_of_llama3_8b():
     """Eight sequences of 8,192 tokens: the log-softmax kept for the loss is 4V bytes a
     token (33.6 GB), and its backward adds two dense fp32 gradients of the logits."""
     model = ModelSpec.from_arch(get_preset("llama3-8b"))
-    p = peak(model, BF16, Workload(8 * 8192, 8192), 8, 1)
+    p = peak(model, ON8, config(1), Workload(8 * 8192, 8192))
     assert p.head_activations >= 4 * 128256 * 8 * 8192
     assert round(p.head_activations / GB, 1) == 35.8  # 4V + the final norm's 8h + 4, + ids
     assert p.loss_backward == 8 * 128256 * 8 * 8192
@@ -61,14 +76,14 @@ def test_recommend_replays_the_llama3_8b_case():
     the 72 GB limit; with the loss path that configuration's peak is far above it, and
     every configuration recommend proposes fits its own peak."""
     model = ModelSpec.from_arch(get_preset("llama3-8b"))
-    old = peak(model, BF16, Workload(8 * 8192, 8192, True), 8, 1, prefetch=0)
+    old = peak(model, ON8, config(1, prefetch=0), Workload(8 * 8192, 8192, True))
     assert old.bytes > 72 * GB + 36 * GB
     for flash in (False, True):
-        rec = recommend(model, BF16, 8, 80 * GB, H100, 64, 8192, flash_attention=flash)
+        rec = recommend(model, config(), 8, 80 * GB, H100, 64, 8192, flash_attention=flash)
         for c in (rec.best, *rec.runners_up):
             work = Workload(c.micro_batch * 8192, 8192, c.checkpointing, flash)
-            planned = peak(model, BF16, work, 8, c.stage, c.prefetch, c.blocks_per_unit, c.tp,
-                           c.accumulation)
+            planned = peak(model, ParallelDims(8, c.tp), config(c.stage, prefetch=c.prefetch),
+                           work, c.blocks_per_unit, c.accumulation)
             assert c.memory == planned.bytes <= 72 * GB
         assert rec.best.micro_batch == 1
 
@@ -79,9 +94,14 @@ HF_GPT2 = ModelSpec.from_arch(Architecture(
     "hf-gpt2", 128, 4, 4, 512, 256, tied=True, max_positions=64, gated_mlp=False,
     norm_bias=True, linear_bias=True, family="gpt"))
 GPT2_WORK = Workload(256, 64, checkpointing=False, flash_attention=True)
-#: the engine's recipes: zs.shard(mixed_precision=None or "bf16"), reducing in fp32 under
-#: a master (spec/config.py)
-ENGINE_RECIPES = {"fp32": get_recipe("fp32-adamw"), "bf16": BF16.with_reduce_dtype("fp32")}
+#: the engine's configurations: zs.shard(mixed_precision=None or "bf16"), reducing in fp32
+#: under a master (spec/config.py)
+ENGINE_PRECISION = {"fp32": None, "bf16": "bf16"}
+
+
+def engine(precision: str, stage: int) -> ZeroConfig:
+    return ZeroConfig(stage=stage, mixed_precision=ENGINE_PRECISION[precision])
+
 #: (precision, stage) -> the profiler's total at ``step_begin`` of the second step, N = 2
 #: gloo ranks (bench/peak_prediction.py's run; no padding at N = 2): stage 1 holds its
 #: reduced slot in the gradient dtype beside the full gradients (and under bf16 the fp32
@@ -96,10 +116,11 @@ STEP_BEGIN = {
 @pytest.mark.parametrize("case", list(STEP_BEGIN), ids=str)
 def test_step_is_the_engines_ledger(case):
     precision, stage = case
-    p = peak(HF_GPT2, ENGINE_RECIPES[precision], GPT2_WORK, 2, stage, optimizer_impl="fused")
+    p = peak(HF_GPT2, ParallelDims(2), engine(precision, stage), GPT2_WORK,
+             optimizer_impl="fused")
     assert p.seen_phases["optimizer step"] == p.phases["optimizer step"] == STEP_BEGIN[case]
     if stage == 1:  # the reduced slot: P/N in the gradient dtype
-        slot = HF_GPT2.params // 2 * ENGINE_RECIPES[precision].grad_bytes
+        slot = HF_GPT2.params // 2 * engine(precision, stage).recipe.grad_bytes
         assert p.step_buffers == slot + (2 * slot if precision == "bf16" else 0)
 
 
@@ -123,7 +144,8 @@ def test_backward_walk_replays_the_profile(case):
     blocks' backward, with reductions and gathers in flight."""
     precision, stage = case
     _, moment, measured, flying = PROFILED_PEAK[case]
-    p = peak(HF_GPT2, ENGINE_RECIPES[precision], GPT2_WORK, 2, stage, optimizer_impl="fused")
+    p = peak(HF_GPT2, ParallelDims(2), engine(precision, stage), GPT2_WORK,
+             optimizer_impl="fused")
     assert p.profiled_moment == moment
     assert p.profiled == measured - (4160 - 2048) - 512 - 144 * flying
 
@@ -131,7 +153,8 @@ def test_backward_walk_replays_the_profile(case):
 def _walk(stage: int, recipe=BF16, **kw) -> BackwardPass:
     """Four block units of 1,000 parameters (1,000 saved bytes each), a root of 500
     with a head of 300 and a final norm of 10, on N = 4."""
-    return BackwardPass(stage, 4, recipe, 4, 1000, 500, 300, False, 10, 1000, **kw)
+    return BackwardPass(ShardPolicy.for_stage(stage), 4, recipe, 4, 1000, 500, 300, False, 10,
+                        1000, **kw)
 
 
 def test_three_reductions_exist_as_the_third_is_issued():
@@ -209,7 +232,8 @@ def test_profiled_hf_model_run(tmp_path, model, stage, recipe, measured, before)
 
     def plan(arch, loss_outside, cpu=True):
         work = Workload(2 * 64, 64, checkpointing=False, flash_attention=True, cpu=cpu)
-        return peak(ModelSpec.from_arch(arch), get_recipe(recipe), work, 2, stage, 1,
+        return peak(ModelSpec.from_arch(arch), ParallelDims(2),
+                    config(stage, get_recipe(recipe), prefetch=1), work,
                     optimizer_impl="for-loop", loss_outside=loss_outside)
 
     now = plan(arch, True)

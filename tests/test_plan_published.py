@@ -57,8 +57,10 @@ def test_recompute_is_charged_apart():
         Accelerator,
         Cluster,
         ModelSpec,
+        ParallelDims,
         Schedule,
         Workload,
+        ZeroConfig,
         get_network,
         get_recipe,
         step_time,
@@ -68,14 +70,13 @@ def test_recompute_is_charged_apart():
     model = ModelSpec("m", 10**9, hidden=2048, layers=16, heads=16)
     acc = Accelerator("toy", 1e15, 1e12, efficiency=0.5, recompute_charge=0.25)
     cluster = Cluster(acc, get_network("nvlink4-ndr"))
+    on8, bf16 = ParallelDims(8), ZeroConfig(mixed_precision=get_recipe("bf16-mixed-adamw"))
     fwd = train_flops_per_token(model, 4096, False) / 3 * 8192 / (1e15 * 0.5)
     for every, share in ((1, 1.0), (2, 0.5), (4, 0.25)):
         work = Workload(8192, 4096, True, True, every)
-        t = step_time(model, get_recipe("bf16-mixed-adamw"), work, 8, cluster,
-                      Schedule(3, micro_batches=2))
+        t = step_time(model, on8, bf16, work, cluster, Schedule(micro_batches=2))
         assert t.compute == pytest.approx(2 * (3 + 0.25 * share) * fwd)
-    plain = step_time(model, get_recipe("bf16-mixed-adamw"), Workload(8192, 4096, False),
-                      8, cluster, Schedule(3))
+    plain = step_time(model, on8, bf16, Workload(8192, 4096, False), cluster)
     assert plain.compute == pytest.approx(3 * fwd)
     with pytest.raises(ValueError, match="recompute_charge=1.5 must be in"):
         Accelerator("x", 1e12, 1e12, recompute_charge=1.5)

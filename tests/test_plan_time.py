@@ -7,7 +7,15 @@ import sys
 import pytest
 
 from zeroshard.cli import main
-from zeroshard.plan import ModelSpec, Workload, get_preset, get_recipe, plan_strategy
+from zeroshard.plan import (
+    ModelSpec,
+    ParallelDims,
+    Workload,
+    ZeroConfig,
+    get_preset,
+    get_recipe,
+    plan_strategy,
+)
 from zeroshard.plan.hardware import Accelerator, Cluster, Link, Network, get_network
 from zeroshard.plan.memory import (
     activation_bytes,
@@ -29,6 +37,12 @@ from zeroshard.plan.steptime import (
 
 BF16 = get_recipe("bf16-mixed-adamw")
 MS = 1e-3
+ON2, ON8 = ParallelDims(2), ParallelDims(8)
+
+
+def config(stage: int = 3, recipe=BF16, **options) -> ZeroConfig:
+    """The planner's configuration: ``recipe`` taken whole (reduced in its own dtype)."""
+    return ZeroConfig(stage=stage, mixed_precision=recipe, **options)
 
 # A toy cluster where every number is round: 4 layers of 250,000 parameters (P = 10^6),
 # h = 1 and s = 1 so attention adds 4·L·h·s = 16 FLOPs per token, 1,000 tokens per
@@ -58,7 +72,8 @@ CAST3 = 2 * N_ * (2 + 4) / MEM_BW  # stage 3: grads to fp32, master into w_shard
 
 
 def toy(stage, prefetch=1, micro_batches=1):
-    return step_time(TOY, BF16, WORK, 2, TOY_CLUSTER, Schedule(stage, 1, prefetch, micro_batches))
+    return step_time(TOY, ON2, config(stage, prefetch=prefetch), WORK, TOY_CLUSTER,
+                     Schedule(1, micro_batches))
 
 
 def optimizer(stage):  # 2·(12 + 2) + 2 = 30 bytes streamed per owned parameter
@@ -145,7 +160,7 @@ def test_stage3_without_prefetch_waits_for_every_gather():
 def test_three_reductions_in_flight_wait_and_slow_links_serialise():
     slow = Link("slow", 0.25e9, 0.0)  # all-reduce of a unit: 2 ms, longer than a backward
     c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
-    t = step_time(TOY, BF16, WORK, 2, c, Schedule(0))
+    t = step_time(TOY, ON2, config(0), WORK, c)
     # only the first pack delays the wire; the last all-reduce lands after the others
     assert t.step == pytest.approx((3 + 4 * 2) * MS + PACK + LAND0 + 4 * CAST0 + optimizer(0))
 
@@ -157,7 +172,7 @@ def test_two_micro_batches_on_a_slow_link():
     # last reduction lands 5 ms after its first unit's backward: 22 ms in all
     slow = Link("slow", 0.25e9, 0.0)
     c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
-    t = step_time(TOY, BF16, WORK, 2, c, Schedule(0, micro_batches=2))
+    t = step_time(TOY, ON2, config(0), WORK, c, Schedule(micro_batches=2))
     assert t.step == pytest.approx(22 * MS + 2 * PACK + 2 * LAND0 + 4 * CAST0 + optimizer(0))
 
 
@@ -172,7 +187,7 @@ def test_accumulation_lands_each_backward_before_the_next_forward():
         32.5 * MS + 20 * PACK + 5 * LAND0 + 4 * CAST0 + optimizer(0))
     # ZeRO-2's later micro-batches add into grad_shard: no overlap makes it a plain sum
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
-    t = step_time(TOY, BF16, WORK, 2, c, Schedule(2, micro_batches=3))
+    t = step_time(TOY, ON2, config(2), WORK, c, Schedule(micro_batches=3))
     copies = 4 * (3 * PACK + LAND1 + 2 * MORE2 + CAST12 + SYNC_IN + UNPACK)
     assert t.copies == pytest.approx(copies)
     # 3 × 6 ms of compute, 3 × 4 reduce-scatters and 4 all-gathers of 0.25 ms
@@ -181,7 +196,7 @@ def test_accumulation_lands_each_backward_before_the_next_forward():
 
 def test_without_overlap_every_collective_adds():
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
-    t = step_time(TOY, BF16, WORK, 2, c, Schedule(3))
+    t = step_time(TOY, ON2, config(3), WORK, c)
     # 6 ms of compute, 8 gathers and 4 reduce-scatters of 0.25 ms, every copy
     copies = 4 * (2 * UNPACK + PACK + LAND1 + CAST3)
     assert t.step == pytest.approx(9 * MS + copies + optimizer(3))
@@ -193,25 +208,27 @@ def test_gloo_reduces_as_all_reduce_and_counts_its_copies():
     # slot as it leaves the all-reduced buffer (the same bytes as dividing in place) and
     # stage 3 copies its shard into the gather's slot (2·n·w); nothing else changes
     mixed = BF16.with_reduce_dtype("fp32")
-    plain = [copy_bytes(mixed, s, 1000, 4) for s in range(4)]
-    gloo = [copy_bytes(mixed, s, 1000, 4, gloo=True) for s in range(4)]
+    on4, on8 = ParallelDims(4), ParallelDims(8)
+    plain = [copy_bytes(config(s, mixed), on4, 1000) for s in range(4)]
+    gloo = [copy_bytes(config(s, mixed), on4, 1000, gloo=True) for s in range(4)]
     assert gloo[:3] == plain[:3]
     assert gloo[3].gather - plain[3].gather == 2 * 250 * 2
     assert gloo[3].land == plain[3].land and gloo[3].land_more == plain[3].land_more
     # above GLOO_BROADCAST_MAX ranks torch's all-gather copies its flat output out: 2·Q·w,
     # at stage 3's gathers and at stages 1-2's post-step gathers alike
-    wide = [copy_bytes(mixed, s, 1000, 8, gloo=True) for s in range(4)]
-    narrow = [copy_bytes(mixed, s, 1000, 8) for s in range(4)]
+    wide = [copy_bytes(config(s, mixed), on8, 1000, gloo=True) for s in range(4)]
+    narrow = [copy_bytes(config(s, mixed), on8, 1000) for s in range(4)]
     assert wide[3].gather == 2 * (2 * 1000 * 2)
     assert [w.sync_unpack - x.sync_unpack for w, x in zip(wide, narrow)] == [0, 4000, 4000, 0]
     # one rank: torch's collectives, nothing added
-    assert all(copy_bytes(mixed, s, 1000, 1, gloo=True) == copy_bytes(mixed, s, 1000, 1)
-               for s in range(4))
+    on1 = ParallelDims(1)
+    assert all(copy_bytes(config(s, mixed), on1, 1000, gloo=True) == copy_bytes(
+        config(s, mixed), on1, 1000) for s in range(4))
     # without overlap every collective adds: stage 3's 4 reductions now take an
     # all-reduce's 0.5 ms (8 gathers of 0.25 ms as before)
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False,
                                                  gloo=True))
-    t = step_time(TOY, BF16, WORK, 2, c, Schedule(3))
+    t = step_time(TOY, ON2, config(3), WORK, c)
     copies = 4 * (2 * UNPACK + PACK + LAND1 + CAST3)
     extra = 4 * 2 * (2 * N_ * 2) / MEM_BW  # per unit: two gathers' inputs into their slot
     assert t.copies == pytest.approx(copies + extra)
@@ -222,7 +239,7 @@ def test_copy_bytes_per_stage_by_hand():
     # one unit of Q = 1,000 parameters over N = 4 ranks (n = 250 owned); bf16 weights and
     # gradients reduced in fp32 (the engine's default under bf16): w = g = 2, r = m = 4
     mixed = BF16.with_reduce_dtype("fp32")
-    c = [copy_bytes(mixed, stage, 1000, 4) for stage in range(4)]
+    c = [copy_bytes(config(stage, mixed), ParallelDims(4), 1000) for stage in range(4)]
     assert [x.pack for x in c] == [1000 * (2 + 4)] * 4  # _chunk_cat: read g, write r
     # stage 0: divided, cast to bf16 and copied into the full gradients in one pass
     assert c[0].land == c[0].land_more == 1000 * (4 + 2)
@@ -240,7 +257,8 @@ def test_copy_bytes_per_stage_by_hand():
     # divide 2·Q·r/N at stages 1-3; 2·Q·w/N for the cat input, and the unpack of the
     # other ranks' rows only, 2·(Q - Q/N)·w
     fp32 = get_recipe("fp32-adamw")
-    assert [copy_bytes(fp32, s, 1000, 4).per_step(1, 1) for s in range(4)] == [
+    assert [copy_bytes(config(s, fp32), ParallelDims(4), 1000).per_step(1, 1)
+            for s in range(4)] == [
         8000 + 8000, 8000 + 2000 + 2000 + 6000, 8000 + 2000 + 2000 + 6000, 8000 + 2000 + 16000]
 
 
@@ -251,17 +269,23 @@ def test_copies_run_on_the_compute_stream():
     # (6.5, 6.6, 6.7), waits for the last to arrive at 6.9 (0.2 ms exposed) and lands it
     # by 7.0 ms; then 1.2 + 3 ms.
     c = Cluster(Accelerator("slow memory", RATE, 1e10, efficiency=1.0), TOY_CLUSTER.network)
-    t = step_time(TOY, BF16, WORK, 2, c, Schedule(0))
+    t = step_time(TOY, ON2, config(0), WORK, c)
     assert t.step == pytest.approx(11.2 * MS)
     assert t.copies == pytest.approx(4 * (0.1 + 0.1 + 0.3) * MS)
     assert t.exposed == pytest.approx(0.2 * MS)
 
 
 def test_schedule_validation_names_the_value():
+    """The stage and the prefetch are the engine's ``ZeroConfig``'s to check; the
+    schedule checks what it adds."""
     with pytest.raises(ValueError, match="stage=5"):
-        Schedule(5)
+        config(5)
     with pytest.raises(ValueError, match="prefetch=-1 must be an integer >= 0"):
-        Schedule(3, prefetch=-1)
+        config(3, prefetch=-1)
+    with pytest.raises(ValueError, match="micro_batches=0 must be an integer >= 1"):
+        Schedule(micro_batches=0)
+    with pytest.raises(ValueError, match="blocks_per_unit=0 must be an integer >= 1"):
+        Schedule(0)
     with pytest.raises(ValueError, match="efficiency=1.5"):
         Accelerator("x", 1e12, 1e12, efficiency=1.5)
     with pytest.raises(ValueError, match="bandwidth=0"):
@@ -275,12 +299,13 @@ M7 = ModelSpec("7B-style", 6_738_149_376, 4096, 32, 32)
 
 def test_tp_divides_state_then_zero_shards_it():
     P = M7.params
-    assert model_state_bytes(P, 8, BF16, 0, tp=2) == (P, P, 6 * P)
-    w, g, o = model_state_bytes(P, 16, BF16, 3, tp=2)
+    assert model_state_bytes(P, ParallelDims(8, 2), config(0)) == (P, P, 6 * P)
+    w, g, o = model_state_bytes(P, ParallelDims(16, 2), config(3))
     assert (w, g, o) == (-(-P // 8), -(-P // 8), -(-6 * P // 8))
-    assert model_state_bytes(P, 8, BF16, 2, tp=1) == model_state_bytes(P, 8, BF16, 2)
+    assert model_state_bytes(P, ParallelDims(8, 1), config(2)) == model_state_bytes(
+        P, ON8, config(2))
     # DP traffic is the 1/tp of the model over gpus/tp ranks
-    assert comm_bytes(P, 16, BF16, 0, tp=2) == ring_all_reduce(P, 8)
+    assert comm_bytes(P, ParallelDims(16, 2), config(0)) == ring_all_reduce(P, 8)
 
 
 def test_tp_activations_korthikanti():
@@ -301,14 +326,15 @@ def test_tp_all_reduces_are_counted():
     work = Workload(2048)
     one = ring_all_reduce(2048 * 4096 * 2, 4)
     assert tp_comm_bytes(M7, BF16, work, 4) == 32 * 6 * one  # 4 per layer + 2 recomputed
-    plan = plan_strategy(M7, 32, BF16, 3, Workload(2048, checkpointing=False), tp=4)
+    plan = plan_strategy(M7, ParallelDims(32, 4), config(3), Workload(2048, checkpointing=False))
     assert plan.tp_comm == 32 * 4 * one and plan.as_dict()["tp"] == 4
-    assert plan_strategy(M7, 8, BF16, 3).tp_comm == 0
+    assert plan_strategy(M7, ON8, config(3)).tp_comm == 0
 
 
 def test_tp_must_divide_gpus():
-    with pytest.raises(ValueError, match="gpus=8 is not divisible by tp=3"):
-        plan_strategy(M7, 8, BF16, 3, tp=3)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the 8 ranks; expected one of "
+                                         r"\[1, 2, 4, 8\]"):
+        plan_strategy(M7, ParallelDims(8, 3), config(3))
 
 
 # -- recommend ----------------------------------------------------------------------------
@@ -330,7 +356,7 @@ def test_7b_on_one_h100_node_by_hand():
     # DDP copies, bf16 (w = g = r = 2, m = 4): a pack 4Q, a landing 4Q (divided and
     # copied in one pass), casts 6Q + 6Q: 20P. The step lands 31 reductions (0.25 ms
     # each) while the last all-reduce (1.7 ms) is on the wire: none exposed.
-    ddp = step_time(m, BF16, Workload(2048), 8, H100, Schedule(0))
+    ddp = step_time(m, ON8, config(0), Workload(2048), H100)
     assert ddp.step == pytest.approx(compute + 20 * P / bw + 30 * P / bw)
     assert ddp.exposed == pytest.approx(0.0, abs=1e-12)
     # ZeRO-1: 32 packs (4Q); landings of Q/2 (div_ of the [S] slot) as units 3-31 issue
@@ -338,7 +364,7 @@ def test_7b_on_one_h100_node_by_hand():
     # reduce-scatter), then the last; the shard's fp32 gradient casts (6Q/8 per unit);
     # the first master cast (6Q/8), 32 all-gathers back to back (each unpack of 4Q is
     # shorter than a gather), the last unpack
-    z1 = step_time(m, BF16, Workload(2048), 8, H100, Schedule(1))
+    z1 = step_time(m, ON8, config(1), Workload(2048), H100)
     assert z1.step == pytest.approx(compute + (32 * 4 * Q + 29 * Q / 2) / bw + one_way
                                     + Q / 2 / bw + (32 * 6 * Q / 8) / bw + 30 * P / 8 / bw
                                     + 6 * Q / 8 / bw + 32 * one_way + 4 * Q / bw)
@@ -349,7 +375,7 @@ def test_7b_on_one_h100_node_by_hand():
 def test_recommend_seed_models(name, gpus):
     model = ModelSpec.from_arch(get_preset(name))
     budget = 80 * 10**9
-    rec = recommend(model, BF16, gpus, budget, H100, 1024, 2048)
+    rec = recommend(model, config(), gpus, budget, H100, 1024, 2048)
     if name == "llama2-70b" and gpus <= 16:
         # 16P/16 = 69 GB of state, and at the step 4P/16 of fp32 gradient copies and as
         # much of AdamW's sqrt(v): 103 GB, past 72 on the device; with the master and the
@@ -358,7 +384,8 @@ def test_recommend_seed_models(name, gpus):
         assert rec.reasons["offload"].startswith("optimizer: nothing fits 72.00 GB on the "
                                                  "device without it")
         assert rec.best.memory <= budget * (1 - HEADROOM)
-        device = recommend(model, BF16, gpus, budget, H100, 1024, 2048, allow_offload=False)
+        device = recommend(model, config(), gpus, budget, H100, 1024, 2048,
+                           allow_offload=False)
         assert device.best is None
         assert "its peak fits from 24 GPUs" in device.reasons["none"]
         return
@@ -367,8 +394,9 @@ def test_recommend_seed_models(name, gpus):
     assert b.strategy in rec.reasons["stage"] and "headroom" in rec.reasons["stage"]
     # feasible by the planner's own peak: the loss's backward, a unit's, the step
     work = Workload(b.micro_batch * 2048, 2048, b.checkpointing)
-    planned = peak(model, BF16, work, gpus, b.stage, b.prefetch, b.blocks_per_unit, b.tp,
-                   b.accumulation, shard_group=b.shard_group)
+    planned = peak(model, ParallelDims(gpus, b.tp, b.shard_group),
+                   config(b.stage, prefetch=b.prefetch), work, b.blocks_per_unit,
+                   b.accumulation)
     assert b.memory == planned.bytes <= budget * (1 - HEADROOM)
     assert gpus // b.tp * b.micro_batch * b.accumulation == 1024
     assert rec.runners_up and all(c.time.step >= b.time.step * 0.99 for c in rec.runners_up)
@@ -376,23 +404,25 @@ def test_recommend_seed_models(name, gpus):
 
 def test_recommend_70b_on_16_h200s_fits():
     model = ModelSpec.from_arch(get_preset("llama2-70b"))
-    rec = recommend(model, BF16, 16, 141 * 10**9, H100, 1024, 2048)
+    rec = recommend(model, config(), 16, 141 * 10**9, H100, 1024, 2048)
     assert rec.best.memory <= 0.9 * 141e9
-    device = recommend(model, BF16, 8, 141 * 10**9, H100, 1024, 2048, allow_offload=False)
+    device = recommend(model, config(), 8, 141 * 10**9, H100, 1024, 2048, allow_offload=False)
     assert "its peak fits from 16 GPUs" in device.reasons["none"] and device.best is None
-    assert recommend(model, BF16, 8, 141 * 10**9, H100, 1024, 2048).best.offload == "optimizer"
+    assert recommend(model, config(), 8, 141 * 10**9, H100, 1024, 2048).best.offload == (
+        "optimizer")
 
 
 def test_recommend_headroom_is_a_setting():
     model = ModelSpec.from_arch(get_preset("llama2-70b"))
     # ZeRO-3 on 16 GPUs peaks at 103.5 GB (the step): above 0.9 x 110, within 110
-    tight = recommend(model, BF16, 16, 110 * 10**9, H100, 1024, 2048, allow_offload=False)
+    tight = recommend(model, config(), 16, 110 * 10**9, H100, 1024, 2048,
+                      allow_offload=False)
     assert "--headroom sets the share left free" in tight.reasons["none"]
-    rec = recommend(model, BF16, 16, 110 * 10**9, H100, 1024, 2048, headroom=0.0)
+    rec = recommend(model, config(), 16, 110 * 10**9, H100, 1024, 2048, headroom=0.0)
     assert rec.best.stage == 3 and rec.best.memory <= 110 * 10**9
     assert "(0% headroom)" in rec.reasons["stage"] and rec.as_dict()["headroom"] == 0.0
     with pytest.raises(ValueError, match="headroom=1.0 must be a fraction in"):
-        recommend(model, BF16, 16, 80 * 10**9, H100, 1024, 2048, headroom=1.0)
+        recommend(model, config(), 16, 80 * 10**9, H100, 1024, 2048, headroom=1.0)
 
 
 def test_choose_prefers_the_simpler_configuration_within_one_percent():
@@ -432,7 +462,7 @@ def test_time_cli(capsys):
 BAD = [
     (["--network", "wifi"], "unknown network 'wifi'; expected one of nvlink4-ndr"),
     (["--accelerator", "tpu", "--time"], "unknown accelerator 'tpu'"),
-    (["--tp", "3"], "gpus=8 is not divisible by tp=3"),
+    (["--tp", "3"], "--tp=3 does not divide --gpus=8; expected one of [1, 2, 4, 8]"),
     (["--tp", "0"], "--tp=0 must be positive"),
     (["--efficiency", "1.5", "--time"], "--efficiency=1.5 must be in (0, 1]"),
     (["--headroom", "1.5", "--recommend"], "--headroom=1.5 must be a fraction in [0, 1)"),
@@ -453,6 +483,7 @@ def test_bad_values_are_one_line(argv, message, capsys):
 
 
 def test_recommend_never_imports_torch():
-    code = ("import sys, zeroshard.cli as c; c.main(['plan', '--recommend', '--json']);"
+    code = ("import sys, zeroshard.commands.plan_time, zeroshard.cli as c; "
+            "c.main(['plan', '--recommend', '--json']);"
             "c.main(['plan', '--time']); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -16,8 +16,16 @@ import json
 import pytest
 
 from zeroshard.cli import main
-from zeroshard.plan import ModelSpec, Workload, get_preset, get_recipe, plan_all
-from zeroshard.plan.comm import ZeroPP, quantized_nbytes
+from zeroshard.plan import (
+    ModelSpec,
+    ParallelDims,
+    Workload,
+    ZeroConfig,
+    get_preset,
+    get_recipe,
+    plan_all,
+)
+from zeroshard.plan.comm import quantized_nbytes
 from zeroshard.plan.hardware import Cluster, get_accelerator, get_network
 from zeroshard.plan.memory import (
     comm_bytes,
@@ -36,20 +44,31 @@ N, BLOCK = 4, 8
 #: Quad's units: the root (6·8 + 8 + 8·4 + 4 = 92), three blocks (8·8 + 8 + 2·8 = 88).
 UNITS, FLAGS = [92, 88, 88, 88], 4
 P = sum(UNITS)
-#: name: (stage, shard group, ZeroPP)
+#: name: the engine's ZeroConfig options (stage, shard group, ZeRO++)
 CASES = {
-    "hpz": (3, None, ZeroPP(secondary_group=2)),
-    "hpz_qwz_qgz": (3, None, ZeroPP(2, True, True, BLOCK)),
-    "groups_qwz_qgz": (3, 2, ZeroPP(None, True, True, BLOCK)),
-    "groups_qgz_stage2": (2, 2, ZeroPP(None, False, True, BLOCK)),
+    "hpz": dict(stage=3, secondary_group=2),
+    "hpz_qwz_qgz": dict(stage=3, secondary_group=2, quantize_weights=True,
+                        quantize_grads=True, quant_block=BLOCK),
+    "groups_qwz_qgz": dict(stage=3, shard_group=2, quantize_weights=True,
+                           quantize_grads=True, quant_block=BLOCK),
+    "groups_qgz_stage2": dict(stage=2, shard_group=2, quantize_grads=True,
+                              quant_block=BLOCK),
 }
 
 
 def _options(name: str) -> dict:
-    stage, k, z = CASES[name]
-    out = {"stage": stage, "shard_group": k, "quant_block": z.quant_block,
-           "quantize_weights": z.quantize_weights, "quantize_grads": z.quantize_grads}
-    return {**out, "secondary_group": z.secondary_group} if z.secondary_group else out
+    return {"shard_group": None, **CASES[name]}
+
+
+def planned_at(name: str, recipe=FP32) -> tuple[ParallelDims, ZeroConfig]:
+    """The layout and the configuration the planner plans case ``name`` at: the engine's
+    options, its fp32 recipe taken whole."""
+    z = ZeroConfig(mixed_precision=recipe, **CASES[name])
+    return ParallelDims(N, shard=z.shard_group), z
+
+
+def config(recipe, stage=3, **options) -> ZeroConfig:
+    return ZeroConfig(stage=stage, mixed_precision=recipe, **options)
 
 
 def _grid() -> dict:
@@ -133,8 +152,8 @@ def flag_bytes(name: str) -> dict[str, int]:
     """The presence flags' bytes per level: F flags per unit in each of the K slots of
     its reduce-scatter (qgZ: inside the quantized slot of n + F elements, so they may add
     a scale), and each rank's F all-reduced across the R replicas."""
-    _, group, z = CASES[name]
-    k = group or N
+    _, z = planned_at(name)
+    k = z.shard_group or N
     r, out = FP32.reduce_bytes, {"inside": 0, "across": 0}
     for u in UNITS:
         n = u // k
@@ -148,8 +167,8 @@ def flag_bytes(name: str) -> dict[str, int]:
 
 
 def test_the_record_is_unpadded():
-    for name, (_, group, _) in CASES.items():
-        k = group or N
+    for name, options in CASES.items():
+        k = options.get("shard_group") or N
         assert all(u % k == 0 for u in UNITS)
         assert ENGINE[name]["units"] == [(u // k, u // k, FLAGS) for u in UNITS]
         assert ENGINE[name]["memory"]["padding"] == 0
@@ -157,8 +176,8 @@ def test_the_record_is_unpadded():
 
 @pytest.mark.parametrize("name", CASES)
 def test_bytes_per_level_are_the_planners_plus_flags(name):
-    stage, group, z = CASES[name]
-    planned = comm_bytes_by_level(P, N, FP32, stage, group, 1, z, UNITS)
+    dims, z = planned_at(name)
+    planned = comm_bytes_by_level(P, dims, z, UNITS)
     flags = flag_bytes(name)
     levels = [lv for lv in ("inside", "across", "secondary") if lv in ENGINE[name]]
     assert sorted(planned) == sorted(["inside", "across"] + (
@@ -167,19 +186,19 @@ def test_bytes_per_level_are_the_planners_plus_flags(name):
         measured = sum(ENGINE[name].get(level, {}).values())
         assert measured == planned.get(level, 0) + flags.get(level, 0), level
     assert set(levels) <= set(planned)
-    assert comm_bytes(P, N, FP32, stage, 1, group, z, UNITS) == sum(planned.values())
+    assert comm_bytes(P, dims, z, UNITS) == sum(planned.values())
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_memory_is_the_planners(name):
     """Per category at K, and the secondary shards every rank keeps from the forward to
     the backward: K/K2 of each unit's K slots."""
-    stage, group, z = CASES[name]
-    weights, grads, optimizer = model_state_bytes(P, N, FP32, stage, shard_group=group)
+    dims, z = planned_at(name)
+    weights, grads, optimizer = model_state_bytes(P, dims, z)
     memory = ENGINE[name]["memory"]
     assert (memory["params"], memory["grads"], memory["optimizer"]) == (weights, grads,
                                                                       optimizer)
-    kept = secondary_bytes(P, N, FP32, stage, group, 1, z, UNITS)
+    kept = secondary_bytes(P, dims, z, UNITS)
     assert ENGINE[name]["kept"] == sum(kept)
     assert (len(kept) == len(UNITS)) == (z.secondary_group is not None)
 
@@ -192,33 +211,39 @@ def test_levels_by_hand_70b_on_64():
     p, bf16, units = model.params, get_recipe("bf16-mixed-adamw"), unit_sizes(model)
     assert sum(units) == p and len(units) == 81
     slots = [-(-u // 64) for u in units]
-    hpz = comm_bytes_by_level(p, 64, bf16, 3, None, 1, ZeroPP(8), units)
+    on64 = ParallelDims(64)
+    hpz = comm_bytes_by_level(p, on64, config(bf16, secondary_group=8), units)
     assert hpz == {"inside": 2 * ring_one_way(2 * p, 64),
                    "across": 0,
                    "secondary": sum(ring_one_way(64 * n * 2, 8) for n in slots)}
-    assert sum(secondary_bytes(p, 64, bf16, 3, None, 1, ZeroPP(8), units)) == sum(
+    assert sum(secondary_bytes(p, on64, config(bf16, secondary_group=8), units)) == sum(
         8 * n * 2 for n in slots)
-    both = comm_bytes_by_level(p, 64, bf16, 3, None, 1, ZeroPP(8, True, True), units)
+    both = comm_bytes_by_level(p, on64, config(bf16, secondary_group=8, quantize_weights=True,
+                                               quantize_grads=True), units)
     q = sum(63 * (n + 4 * -(-n // 2048)) for n in slots)
     assert both == {"inside": 2 * q, "across": 0, "secondary": hpz["secondary"]}
-    z3 = comm_bytes(p, 64, bf16, 3)
+    z3 = comm_bytes(p, on64, config(bf16))
     assert round(z3 / 1e9, 2) == 407.39 and round(sum(hpz.values()) / 1e9, 2) == 392.30
     assert round(sum(both.values()) / 1e9, 2) == 256.77
 
 
 def test_plans_and_peaks_take_what_each_stage_takes():
     model = ModelSpec.from_arch(get_preset("llama2-70b"))
-    bf16, z = get_recipe("bf16-mixed-adamw"), ZeroPP(8, True, True)
-    plans = plan_all(model, 64, bf16, Workload(), 80 * 10**9, zeropp=z)
-    plain = plan_all(model, 64, bf16, Workload(), 80 * 10**9)
-    assert [p.zeropp for p in plans] == [None, ZeroPP(None, False, True),
-                                         ZeroPP(None, False, True), z]
+    bf16 = get_recipe("bf16-mixed-adamw")
+    z = config(bf16, secondary_group=8, quantize_weights=True, quantize_grads=True)
+    on64 = ParallelDims(64)
+    plans = plan_all(model, on64, z, Workload(), 80 * 10**9)
+    plain = plan_all(model, on64, config(bf16), Workload(), 80 * 10**9)
+    took = [(p.config.secondary_group, p.config.quantize_weights, p.config.quantize_grads)
+            for p in plans]
+    assert took == [(None, False, False), (None, False, True), (None, False, True),
+                    (8, True, True)]
     assert plans[0] == plain[0]  # DDP takes nothing
     assert plans[3].total == plain[3].total + plans[3].secondary
     assert round(plans[3].secondary / 1e9, 2) == 17.24  # 2P/8
     assert plans[3].comm_inside + plans[3].comm_secondary == plans[3].comm
-    q = peak(model, bf16, Workload(), 64, 3, zeropp=z)
-    base = peak(model, bf16, Workload(), 64, 3)
+    q = peak(model, on64, z, Workload())
+    base = peak(model, on64, config(bf16), Workload())
     assert q.secondary == plans[3].secondary
     assert q.phases["loss backward"] == base.phases["loss backward"] + q.secondary
     # through the block units' backward the root unit's and the units not yet done
@@ -229,44 +254,50 @@ def test_plans_and_peaks_take_what_each_stage_takes():
     assert q.end.at == base.end.at == "unit 0 end"
     assert q.end.bytes == base.end.bytes + root
     assert q.phases["optimizer step"] == base.phases["optimizer step"]
-    assert peak(model, bf16, Workload(), 64, 2, zeropp=z) == peak(model, bf16, Workload(),
-                                                                  64, 2)
+    assert peak(model, on64, z.at_stage(2), Workload()) == peak(
+        model, on64, config(bf16, stage=2), Workload())
 
 
 def test_step_time_puts_secondary_gathers_on_the_node_link():
     model = ModelSpec.from_arch(get_preset("llama2-70b"))
     bf16 = get_recipe("bf16-mixed-adamw")
     cluster = Cluster(get_accelerator("h100"), get_network("nvlink4-ndr"), 8)
-    work = Workload()
-    plain = step_time(model, bf16, work, 64, cluster, Schedule(3))
-    hpz = step_time(model, bf16, work, 64, cluster, Schedule(3, zeropp=ZeroPP(8)))
+    work, on64 = Workload(), ParallelDims(64)
+    plain = step_time(model, on64, config(bf16), work, cluster)
+    hpz = step_time(model, on64, config(bf16, secondary_group=8), work, cluster, Schedule())
     q = model.params / 80
     assert hpz.secondary == pytest.approx(80 * ring_time("all_gather", 2 * q, 8,
                                                          cluster.link(8)))
     assert plain.secondary == 0 and hpz.comm < plain.comm
-    quant = step_time(model, bf16, work, 64, cluster, Schedule(3, zeropp=ZeroPP(
-        None, True, True)))
+    quant = step_time(model, on64, config(bf16, quantize_weights=True, quantize_grads=True),
+                      work, cluster)
     assert quant.comm < plain.comm and quant.copies > plain.copies
 
 
 @pytest.mark.parametrize("stage,z,reduce", [
-    (2, ZeroPP(secondary_group=2), None),
-    (1, ZeroPP(quantize_weights=True), None),
-    (0, ZeroPP(quantize_grads=True), None),
-    (3, ZeroPP(quantize_grads=True), "fp32"),
+    (2, dict(secondary_group=2), None),
+    (1, dict(quantize_weights=True), None),
+    (0, dict(quantize_grads=True), None),
+    (3, dict(quantize_grads=True), "fp32"),
 ])
-def test_refusals_are_the_engines(stage, z, reduce):
-    """The planner refuses what ``ZeroConfig`` refuses, in its words."""
+def test_refusals_are_the_engines(stage, z, reduce, capsys):
+    """The planner refuses what ``ZeroConfig`` refuses, in its words: the engine's
+    configuration, the planner's (its recipe whole, reduced in ``reduce``) and the
+    command line's."""
     import zeroshard as zs
 
-    options = {"secondary_group": z.secondary_group, "quantize_weights": z.quantize_weights,
-               "quantize_grads": z.quantize_grads, "reduce_dtype": reduce}
     with pytest.raises(ValueError) as engine:
-        zs.ZeroConfig(stage=stage, **options)
+        zs.ZeroConfig(stage=stage, reduce_dtype=reduce, **z)
     recipe = FP32.with_reduce_dtype(reduce)
     with pytest.raises(ValueError) as plan:
-        comm_bytes_by_level(P, N, recipe, stage, zeropp=z)
+        comm_bytes_by_level(P, ParallelDims(N), config(recipe, stage, **z))
     assert str(plan.value) == str(engine.value)
+    flags = {"secondary_group": ["--hpz", "2"], "quantize_weights": ["--quantize-weights"],
+             "quantize_grads": ["--quantize-grads"]}
+    argv = [a for k in z for a in flags[k]] + ["--strategy", str(stage)] + (
+        ["--reduce-dtype", reduce] if reduce else [])
+    assert main(["plan", "--precision", "fp32-adamw", *argv]) == 2
+    assert str(engine.value) in capsys.readouterr().err
 
 
 def test_a_secondary_group_that_does_not_divide_is_the_engines_refusal():
@@ -275,10 +306,13 @@ def test_a_secondary_group_that_does_not_divide_is_the_engines_refusal():
     with pytest.raises(ValueError) as engine:
         ParallelDims(4, secondary=3)
     with pytest.raises(ValueError) as plan:
-        comm_bytes_by_level(P, N, FP32, 3, zeropp=ZeroPP(3))
+        comm_bytes_by_level(P, ParallelDims(N), config(FP32, secondary_group=3))
     assert str(plan.value) == str(engine.value)
-    assert comm_bytes_by_level(P, N, FP32, 3, zeropp=ZeroPP(4)) == comm_bytes_by_level(
-        P, N, FP32, 3)  # K2 = K: nothing kept, as the engine
+    with pytest.raises(ValueError) as layout:  # the layout's own check, the same words
+        ParallelDims(N, secondary=3)
+    assert str(layout.value) == str(engine.value)
+    assert comm_bytes_by_level(P, ParallelDims(N), config(FP32, secondary_group=4)) == (
+        comm_bytes_by_level(P, ParallelDims(N), config(FP32)))  # K2 = K: nothing kept
 
 
 def test_cli_json_and_table(capsys):

@@ -35,7 +35,15 @@ import torch.nn as nn
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
 import zeroshard as zs
-from zeroshard.plan import RECIPES, comm_bytes, model_state_bytes, ring_all_reduce, ring_one_way
+from zeroshard.plan import (
+    RECIPES,
+    ParallelDims,
+    ZeroConfig,
+    comm_bytes,
+    model_state_bytes,
+    ring_all_reduce,
+    ring_one_way,
+)
 
 WORLDS = (8, 64, 1024)
 STAGES = (0, 1, 2, 3)
@@ -44,6 +52,11 @@ PRECISIONS = (None, "bf16")
 # engine sums gradients in fp32 (ZeroConfig.reduce_dtype's default).
 RECIPE = {None: RECIPES["fp32-adamw"],
           "bf16": RECIPES["bf16-mixed-adamw"].with_reduce_dtype("fp32")}
+
+
+def planned_at(world: int, stage: int, precision) -> tuple[ParallelDims, ZeroConfig]:
+    """What the planner is asked: the engine's own configuration on ``world`` ranks."""
+    return ParallelDims(world), ZeroConfig(stage=stage, mixed_precision=precision)
 
 
 # -- models -----------------------------------------------------------------------------
@@ -348,7 +361,7 @@ def test_even_shards_equal_the_plan_on_every_rank(case):
     per-GPU bytes in each category, and no padding."""
     model, world, stage, precision = case
     P = sum(math.prod(s) for s in shapes_of(model).values())
-    plan = model_state_bytes(P, world, RECIPE[precision], stage)
+    plan = model_state_bytes(P, *planned_at(world, stage, precision))
     for rank in ranks_of(model, world):
         mem = run(model, world, rank, stage, precision)["memory"]
         assert (mem["params"], mem["grads"], mem["optimizer"]) == plan, rank
@@ -368,7 +381,7 @@ def test_uneven_shards_sum_to_the_plan(stage, precision):
     cats = ("params", "grads", "optimizer")
     per = dict(zip(cats, (recipe.weight_bytes, recipe.grad_bytes, recipe.optimizer_bytes)))
     for world in WORLDS:
-        plan = dict(zip(cats, model_state_bytes(P, world, recipe, stage)))
+        plan = dict(zip(cats, model_state_bytes(P, *planned_at(world, stage, precision))))
         sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
         if world == 8:
             ranks = [run("uneven", 8, r, stage, precision)["memory"] for r in range(8)]
@@ -419,7 +432,7 @@ def test_comm_against_the_planner(case):
     if model == "wide":
         assert wire == P
     comm = run(model, world, 0, stage, precision)["comm"]
-    assert planned_kinds(comm) == comm_bytes(wire, world, recipe, stage) + flags
+    assert planned_kinds(comm) == comm_bytes(wire, *planned_at(world, stage, precision)) + flags
 
 
 def test_padding_on_the_wire_at_1024():

@@ -64,11 +64,11 @@ def test_memory_summary_of_a_single_step(stage):
     """The summary reads gradients before the step and the optimizer's state after it,
     so a run of one step (whose step creates Adam's state) shows both as planned."""
     from zeroshard.models.gpt import GPT, get_preset
-    from zeroshard.plan import get_recipe, model_state_bytes
+    from zeroshard.plan import ParallelDims, ZeroConfig, model_state_bytes
 
     mem = spawn(_one_step, 2, stage, timeout=300)[0]
     params = sum(p.numel() for p in GPT(get_preset("tiny")).parameters())
-    weights, grads, optimizer = model_state_bytes(params, 2, get_recipe("fp32-adamw"), stage)
+    weights, grads, optimizer = model_state_bytes(params, ParallelDims(2), ZeroConfig(stage))
     assert (mem["grads"], mem["optimizer"]) == (grads, optimizer)
 
 

@@ -6,6 +6,7 @@ Pure unit tests: the source is read as text and parsed, nothing is run."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,13 +155,38 @@ def test_runtime_files_stay_short():
     assert not long, long
 
 
+def _stage_tests(tree: ast.AST):
+    """Line numbers where a stage number is compared or tested for truth (``stage == 3``,
+    ``stage in (1, 2)``, ``x if stage else y``, ``stage and ...``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            tested = [node.left, *node.comparators]
+        elif isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            tested = [node.test]
+        elif isinstance(node, ast.BoolOp):
+            tested = node.values
+        else:
+            continue
+        names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None)
+                 for n in tested}
+        if "stage" in names:
+            yield node.lineno
+
+
 def test_only_the_spec_compares_stage_numbers():
-    """Outside ``spec/`` nothing in the engine, the ledger, clipping, checkpoints, offload
-    or the profiler compares a stage number: they ask the policy."""
-    for sub in ("runtime", "observe", "checkpoint", "offload"):
+    """Outside ``spec/`` nothing in the engine, the ledger, clipping, checkpoints, offload,
+    the profiler, the planner, the trainer or the commands compares a stage number: they
+    ask the policy."""
+    for sub in ("runtime", "observe", "checkpoint", "offload", "plan", "train", "commands"):
         for path in (PKG / sub).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Compare):
-                    names = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None)
-                             for n in [node.left, *node.comparators]}
-                    assert "stage" not in names, f"{path}:{node.lineno} compares a stage"
+            for line in _stage_tests(ast.parse(path.read_text())):
+                raise AssertionError(f"{path}:{line} compares a stage")
+
+
+def test_the_planner_page_reads_the_policy_table():
+    """The page's scripts compare no stage number either: ``page.py`` embeds each stage's
+    policy (``DATA.policies``) and the stages each offload takes."""
+    compare = re.compile(r"\bstage\s*(===|!==|==|!=|<=|>=|<|>)|(===|!==|==|!=|<=|>=|<|>)\s*stage\b")
+    for path in (PKG / "plan" / "page").glob("*.js"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not compare.search(line), f"{path}:{number} compares a stage: {line.strip()}"

@@ -7,26 +7,30 @@ DDP never shrinks, and only ZeRO-3 keeps falling (to the activations alone).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..spec.recipes import Recipe
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
+from ..spec.rules import OFFLOADS
 from .arch import ModelSpec
 from .hardware import DEFAULT_HOST, HOSTS, Host
-from .memory import STRATEGIES, Workload, plan_strategy, stage_of
+from .layout import stages_taking
+from .memory import STRATEGIES, Workload, plan_strategy
 from .offload import host_step_bytes, owned, pcie_bytes
 
 #: Largest GPU count :func:`min_gpus` searches.
 MAX_GPUS = 1 << 20
 
 
-def floor_bytes(model: ModelSpec, recipe: Recipe, strategy) -> int:
+def floor_bytes(model: ModelSpec, config: ZeroConfig) -> int:
     """Per-GPU model-state bytes that stay however many GPUs share the work: the
-    replicated categories (4P for ZeRO-1 under 2/2/12). Activations come on top."""
-    stage = stage_of(strategy)
+    categories ``config``'s stage replicates (4P for ZeRO-1 under 2/2/12). Activations
+    come on top."""
+    policy, recipe = config.policy, config.recipe
     per_param = (
-        (recipe.weight_bytes if stage < 3 else 0)
-        + (recipe.grad_bytes if stage < 2 else 0)
-        + (recipe.optimizer_bytes if stage < 1 else 0)
+        (0 if policy.shards_params else recipe.weight_bytes)
+        + (0 if policy.shards_grads else recipe.grad_bytes)
+        + (0 if policy.shards_optimizer else recipe.optimizer_bytes)
     )
     return per_param * model.params
 
@@ -58,16 +62,17 @@ class MinGpus:
                 "floor": self.floor}
 
 
-def min_gpus(model: ModelSpec, recipe: Recipe, strategy, budget: int,
+def min_gpus(model: ModelSpec, config: ZeroConfig, budget: int,
              work: Workload | None = None, step: int | None = None) -> MinGpus:
-    """The smallest candidate N (see :func:`gpu_counts`) whose per-GPU total fits
-    ``budget``. Per-GPU memory never grows with N, so a binary search finds it."""
-    name = STRATEGIES[stage_of(strategy)]
-    floor = floor_bytes(model, recipe, strategy)
+    """The smallest candidate N (see :func:`gpu_counts`) at which ``config`` (sharded
+    over all N) fits ``budget`` per GPU. Per-GPU memory never grows with N, so a binary
+    search finds it."""
+    name = STRATEGIES[config.stage]
+    floor = floor_bytes(model, config)
     counts = gpu_counts(step)
 
     def total(i: int) -> int:
-        return plan_strategy(model, counts[i], recipe, strategy, work, budget).total
+        return plan_strategy(model, ParallelDims(counts[i]), config, work, budget).total
 
     if total(len(counts) - 1) > budget:
         return MinGpus(name, None, None, floor)
@@ -89,28 +94,33 @@ def first_fit(plans) -> str | None:
     return None
 
 
-def min_shard_group(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
+def min_shard_group(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int,
                     work: Workload | None = None) -> int | None:
-    """The smallest shard group (a divisor of ``gpus``) in which ZeRO-3 fits ``budget``
-    under hybrid sharding, or None; per-GPU memory falls as the group grows."""
+    """The smallest shard group (a divisor of ``gpus``) in which ZeRO-3 (``config`` at
+    stage 3) fits ``budget`` under hybrid sharding, or None; per-GPU memory falls as
+    the group grows."""
+    zero3 = replace(config.at_stage(3), shard_group=None)
     for k in (d for d in range(1, gpus + 1) if gpus % d == 0):
-        if plan_strategy(model, gpus, recipe, 3, work, budget, shard_group=k).fits:
+        if plan_strategy(model, ParallelDims(gpus, shard=k), zero3, work, budget).fits:
             return k
     return None
 
 
-def why_none_fits(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
-                  work: Workload | None = None, shard_group: int | None = None) -> str:
-    """One sentence on why no strategy fits at ``gpus`` GPUs (in shard groups of
-    ``shard_group``: more GPUs do not help there, a larger group does)."""
+def why_none_fits(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, budget: int,
+                  work: Workload | None = None) -> str:
+    """One sentence on why no strategy of ``config`` fits on the layout ``dims`` (in
+    shard groups: more GPUs do not help there, a larger group does)."""
+    gpus, shard_group = dims.world, dims.shard
     if shard_group is not None and shard_group < gpus:
-        k = min_shard_group(model, recipe, gpus, budget, work)
+        k = min_shard_group(model, config, gpus, budget, work)
         if k is not None:
             return (f"nothing fits in shard groups of {shard_group} on {gpus} GPUs; ZeRO-3 "
                     f"fits in groups of {k}")
+        plain = replace(config, shard_group=None)
         return (f"nothing fits in shard groups of {shard_group} on {gpus} GPUs, nor does "
-                "ZeRO-3 over all of them; " + why_none_fits(model, recipe, gpus, budget, work))
-    need = min_gpus(model, recipe, "ZeRO-3", budget, work)
+                "ZeRO-3 over all of them; " + why_none_fits(model, ParallelDims(gpus), plain,
+                                                             budget, work))
+    need = min_gpus(model, replace(config.at_stage(3), shard_group=None), budget, work)
     if need.gpus is None:
         return (
             "nothing fits: even ZeRO-3 tends to its activations alone, which are above the "
@@ -119,27 +129,27 @@ def why_none_fits(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
     return f"nothing fits on {gpus} GPUs; ZeRO-3 fits from {need.gpus} GPUs"
 
 
-def offload_offer(model: ModelSpec, recipe: Recipe, gpus: int, budget: int,
-                  work: Workload | None = None, shard_group: int | None = None,
-                  gpus_per_node: int = 8, host: Host | None = None, unit: int = 10**9,
+def offload_offer(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, budget: int,
+                  work: Workload | None = None, gpus_per_node: int = 8,
+                  host: Host | None = None, unit: int = 10**9,
                   unit_name: str = "GB") -> str | None:
-    """When no strategy fits the device: the first that fits with offload (the optimizer
-    in host memory at stages 1, 2, 3, then the weight shards too at stage 3), its device
-    and host bytes, and what a step of one micro-batch pays for it: the PCIe copies
-    (gradients down in the master dtype, weights up) and the host step, at ``host``'s
-    rates (``plan/offload.py``). None when nothing fits even so."""
+    """When no strategy fits the device: the first that fits with offload (``config``'s
+    precision with the optimizer in host memory at each stage that takes it, then the
+    weight shards too), its device and host bytes, and what a step of one micro-batch
+    pays for it: the PCIe copies (gradients down in the master dtype, weights up) and
+    the host step, at ``host``'s rates (``plan/offload.py``). None when nothing fits
+    even so."""
     host = host or HOSTS[DEFAULT_HOST]
-    for offload, stages in (("optimizer", (1, 2, 3)), ("params", (3,))):
-        for stage in stages:
-            p = plan_strategy(model, gpus, recipe, stage, work, budget, 1, shard_group,
-                              offload)
+    for offload in OFFLOADS:
+        asked = replace(config, stage=3, offload=offload, offload_dir=None)
+        for staged in stages_taking(asked):
+            p = plan_strategy(model, dims, staged, work, budget)
             if not p.fits:
                 continue
-            moved = pcie_bytes(model.params, gpus, recipe, stage, offload, 1, shard_group)
+            moved = pcie_bytes(model.params, dims, staged)
             pcie = (moved["down"] + moved["up"]) / host.pcie.bandwidth
-            n = owned(model.params, gpus, stage, 1, shard_group)
-            step = n * host_step_bytes(recipe, offload) / (host.memory_bandwidth
-                                                           / gpus_per_node)
+            n = owned(model.params, dims, staged.policy)
+            step = n * host_step_bytes(staged.recipe) / (host.memory_bandwidth / gpus_per_node)
             gb = lambda b: f"{b / unit:.2f} {unit_name}"  # noqa: E731
             return (f"with offload='{offload}' {p.strategy} fits: {gb(p.total)} on the GPU, "
                     f"{gb(p.host)} of host memory per GPU ({gb(p.host * gpus_per_node)} for a "

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..spec.formulas import ceil_div
+from ..spec.policy import ShardPolicy
 from ..spec.recipes import Recipe
 
 PHASES = ("begin", "end", "issued")
@@ -68,7 +69,8 @@ class BackwardPass:
     """The shape of one GPU's backward; sizes in parameters on this GPU, bytes in
     bytes."""
 
-    stage: int
+    policy: ShardPolicy
+    """What the stage shards and how it reduces (``ZeroConfig.policy``)."""
     dp: int
     """Ranks each category is sharded over (the shard group's)."""
     recipe: Recipe
@@ -91,6 +93,7 @@ class BackwardPass:
     kept: int = 0
     """Saved bytes outliving every block unit's backward (the input ids)."""
     prefetch: int = 1
+    """Units gathered ahead while one runs backward (0 where the weights are whole)."""
     accumulating: bool = False
     """Not the step's first backward: the stored gradients exist and are added to."""
     params_offloaded: bool = False
@@ -101,8 +104,9 @@ class BackwardPass:
     """hpZ: the largest block unit's secondary shards, bytes."""
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage={self.stage!r}; expected 0, 1, 2 or 3")
+        if not isinstance(self.policy, ShardPolicy):
+            raise ValueError(f"policy={self.policy!r}; expected a ShardPolicy "
+                             "(ShardPolicy.for_stage, ZeroConfig.policy)")
         for name in ("dp", "units"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be at least 1")
@@ -110,7 +114,7 @@ class BackwardPass:
     @property
     def bounded(self) -> bool:
         """At most three reductions in flight (``policy.bounds_reductions``)."""
-        return self.stage > 0 or self.recipe.reduce_bytes > self.recipe.grad_bytes
+        return self.policy.bounds_reductions(self.recipe.grad_bytes, self.recipe.reduce_bytes)
 
     def _flying(self, issued: int, issuing: bool) -> int:
         return min(issued, 3 if issuing else 2) if self.bounded else issued
@@ -118,7 +122,8 @@ class BackwardPass:
     def _buffer(self, params: int) -> int:
         """A reduction in flight: N slots, and at stages 1-3 this rank's output."""
         rb = self.recipe.reduce_bytes
-        return params * rb + (ceil_div(params, self.dp) * rb if self.stage else 0)
+        scatters = self.policy.reduce == "reduce_scatter"
+        return params * rb + (ceil_div(params, self.dp) * rb if scatters else 0)
 
     def _landed(self, params: int) -> int:
         """What a landed reduction leaves beyond the held gradients: with accumulation
@@ -127,12 +132,14 @@ class BackwardPass:
         if self.accumulating:
             return 0
         gb = self.recipe.grad_bytes
-        return params * gb if self.stage == 0 else ceil_div(params, self.dp) * gb
+        return params * gb if self.policy.averages_grads else ceil_div(params, self.dp) * gb
 
     def _local(self, params: int) -> int:
         """Full gradients a unit's backward makes; at stages 0-1 with accumulation they
         add into the stored ones."""
-        return 0 if self.accumulating and self.stage <= 1 else params * self.recipe.grad_bytes
+        if self.accumulating and self.policy.keeps_full_grads:
+            return 0
+        return params * self.recipe.grad_bytes
 
     def _head_grads(self) -> tuple[int, int]:
         """(allocated, seen) of the head's and the final norm's gradients through the
@@ -141,7 +148,7 @@ class BackwardPass:
         gb = self.recipe.grad_bytes
         real = seen = 0
         for params, stored in ((self.head, not self.tied), (self.final_norm, True)):
-            if stored and self.stage <= 1:
+            if stored and self.policy.keeps_full_grads:
                 if not self.accumulating:
                     real, seen = real + params * gb, seen + params * gb
             else:
@@ -166,15 +173,16 @@ class BackwardPass:
                 + (self.recompute if phase == "begin" else 0)
                 + fly * self._buffer(self.unit) + (issued - fly) * self._landed(self.unit)
                 + self.secondary_root + (n - done) * self.secondary_unit)
-        if self.stage == 1:
+        policy = self.policy
+        if policy.keeps_local_grads:
             seen += done * local
-        if self.stage == 3:
+        if policy.shards_params:
             seen += (self.root * wb + self._arriving(j)
                      + (0 if phase == "issued" else self.unit * wb))
-        loose = local if phase == "end" and self.stage != 1 else 0
+        loose = local if phase == "end" and not policy.keeps_local_grads else 0
         head_real, head_seen = self._head_grads()
         return (seen + loose + head_real,
-                seen + (loose if self.stage == 0 else 0) + head_seen)
+                seen + (loose if policy.averages_grads else 0) + head_seen)
 
     def root_unit(self, phase: str) -> tuple[int, int]:
         """(allocated, seen) as the root unit's backward ends or its reduction is
@@ -186,14 +194,14 @@ class BackwardPass:
             seen += self._buffer(self.root)
         else:
             seen += self.secondary_root
-            if self.stage == 3:
+            if self.policy.shards_params:
                 seen += self.root * self.recipe.weight_bytes
         local = self._local(self.root)
-        if self.stage == 1:
+        if self.policy.keeps_local_grads:
             seen += n * self._local(self.unit) + local
             return seen, seen
         loose = 0 if issuing else local
-        return seen + loose, seen + (loose if self.stage == 0 else 0)
+        return seen + loose, seen + (loose if self.policy.averages_grads else 0)
 
     def _candidates(self) -> list[int]:
         """Block units where a largest moment can be: each moment is linear in j once

@@ -17,9 +17,9 @@ reduced gradient shard, ``ring_all_reduce(r·P/K, R)`` (stage 0: the whole gradi
 (``comm_stats(by_level=True)``) records the same two levels, plus one presence flag per
 parameter in each reduced slot, which the plan leaves out.
 
-ZeRO++ (Wang et al., 2023; :class:`ZeroPP`, the engine's ``secondary_group``,
-``quantize_weights``, ``quantize_grads``, ``quant_block``), per unit of U elements
-(slot n = ⌈U/(tp·K)⌉, K2 the secondary group):
+ZeRO++ (Wang et al., 2023; ``ZeroConfig``'s ``secondary_group``, ``quantize_weights``,
+``quantize_grads`` and ``quant_block``), per unit of U elements (slot n = ⌈U/(tp·K)⌉,
+K2 the secondary group):
 
 - **hpZ** (stage 3): after a unit's forward each rank keeps K/K2 of its K slots until
   its backward, whose gather runs over the K2 ranks of a secondary group: level
@@ -39,105 +39,25 @@ given), since every slot rounds its blocks up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
 from ..spec.formulas import QUANT_BLOCK, ceil_div, quantized_nbytes, ring_all_reduce, ring_one_way
-from ..spec.recipes import Recipe
-from ..spec.rules import check_stage_options
+from .layout import check_layout, dp_degree, secondary, shard_degree  # noqa: F401 (re-exported)
 
 
-def dp_degree(gpus: int, tp: int = 1) -> int:
-    """Data-parallel ranks when ``gpus`` GPUs run tensor parallelism of degree ``tp``."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
-        raise ValueError(f"tp={tp!r} must be a positive integer")
-    if gpus % tp:
-        raise ValueError(f"gpus={gpus} is not divisible by tp={tp}")
-    return gpus // tp
+def uses_zeropp(config: ZeroConfig) -> bool:
+    """Whether ``config`` takes any of ZeRO++'s hpZ, qwZ or qgZ."""
+    return (config.secondary_group is not None or config.quantize_weights
+            or config.quantize_grads)
 
 
-def shard_degree(gpus: int, tp: int = 1, shard_group: int | None = None) -> int:
-    """K, the ranks a stage shards over: all ``gpus / tp`` data-parallel ranks, or with
-    hybrid sharding a group of ``shard_group`` of them (R = dp / K replicas)."""
-    dp = dp_degree(gpus, tp)
-    k = shard_group
-    if k is None:
-        return dp
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ValueError(f"shard_group={k!r} must be a positive integer (None: all ranks)")
-    if dp % k:
-        ok = [d for d in range(1, dp + 1) if dp % d == 0]
-        raise ValueError(f"shard_group={k} does not divide the {dp} data-parallel ranks; "
-                         f"expected one of {ok}")
-    return k
-
-
-
-@dataclass(frozen=True)
-class ZeroPP:
-    """ZeRO++'s three options as the engine takes them (``ZeroConfig``: DeepSpeed's
-    ``zero_hpz_partition_size``, ``zero_quantized_weights``, ``zero_quantized_gradients``);
-    checked in the engine's words."""
-
-    secondary_group: int | None = None
-    """hpZ (stage 3): K2, the ranks of a secondary group inside the shard group that hold
-    a unit's weights between its forward and its backward (None, or K2 = K: off)."""
-    quantize_weights: bool = False
-    """qwZ (stage 3): the weights' all-gathers over the shard group send int8 blocks."""
-    quantize_grads: bool = False
-    """qgZ (stages 1-3): the gradients' reduce-scatter sends int8 blocks; the all-reduce
-    across replicas stays exact."""
-    quant_block: int = QUANT_BLOCK
-    """Elements per quantization block (one fp32 scale each)."""
-
-    def __post_init__(self) -> None:
-        k2 = self.secondary_group
-        if k2 is not None and (isinstance(k2, bool) or not isinstance(k2, int) or k2 < 1):
-            raise ValueError(f"secondary_group={k2!r}; expected None or an integer >= 1 "
-                             "dividing the shard group")
-        for name in ("quantize_weights", "quantize_grads"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
-        b = self.quant_block
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"quant_block={b!r} must be an integer >= 1")
-
-    @property
-    def active(self) -> bool:
-        return (self.secondary_group is not None or self.quantize_weights
-                or self.quantize_grads)
-
-    def check(self, stage: int, recipe: Recipe | None = None) -> None:
-        """A ValueError when ``stage`` (or the recipe's explicit reduce dtype) cannot take
-        these options: the engine's own rules (``spec/rules.py``)."""
-        check_stage_options(stage, secondary_group=self.secondary_group,
-                            quantize_weights=self.quantize_weights,
-                            quantize_grads=self.quantize_grads,
-                            reduce_dtype=recipe.reduce_dtype if recipe is not None else None)
-
-    def at(self, stage: int) -> ZeroPP:
-        """The most of these options ``stage`` takes (hpZ and qwZ stage 3, qgZ stages
-        1-3): the plan table shows each strategy so."""
-        three = stage == 3
-        return ZeroPP(self.secondary_group if three else None,
-                      self.quantize_weights and three, self.quantize_grads and stage > 0,
-                      self.quant_block)
-
-    def secondary(self, k: int) -> int | None:
-        """K2 inside a shard group of ``k`` (None: no secondary group, K2 absent or = K);
-        one that does not divide ``k`` is refused as ``runtime/groups.secondary_size``
-        does."""
-        k2 = self.secondary_group
-        if k2 is None or k2 == k:
-            return None
-        if k % k2:
-            divisors = [d for d in range(1, k + 1) if k % d == 0]
-            raise ValueError(f"secondary_group={k2} does not divide the shard group's {k} "
-                             f"ranks; expected one of {divisors}")
-        return k2
-
-    def as_dict(self) -> dict:
-        return {"hpz": self.secondary_group, "quantize_weights": self.quantize_weights,
-                "quantize_grads": self.quantize_grads, "quant_block": self.quant_block}
+def zeropp_dict(config: ZeroConfig | None) -> dict:
+    """ZeRO++ as ``config`` takes it, for JSON (the defaults when it takes none)."""
+    if config is None or not uses_zeropp(config):
+        return {"hpz": None, "quantize_weights": False, "quantize_grads": False,
+                "quant_block": QUANT_BLOCK}
+    return {"hpz": config.secondary_group, "quantize_weights": config.quantize_weights,
+            "quantize_grads": config.quantize_grads, "quant_block": config.quant_block}
 
 
 def unit_slots(params: int, k: int, tp: int = 1, units: list[int] | None = None) -> list[int]:
@@ -147,36 +67,28 @@ def unit_slots(params: int, k: int, tp: int = 1, units: list[int] | None = None)
     return [ceil_div(ceil_div(u, tp), k) for u in sizes]
 
 
-def secondary_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
-                    shard_group: int | None = None, tp: int = 1, zeropp: ZeroPP | None = None,
+def secondary_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
                     units: list[int] | None = None) -> list[int]:
     """hpZ: per unit, the bytes one GPU keeps from its forward to its backward, K/K2 of
     its K slots, ``K/K2·n·w`` (empty without a secondary group; the engine's
     ``w_secondary``, counted under ``gathered``). At the start of backward every unit's
     is held."""
-    z = zeropp or ZeroPP()
-    z.check(stage)
-    k = shard_degree(gpus, tp, shard_group)
-    k2 = z.secondary(k)
+    check_layout(dims, config)
+    k, k2 = dims.shard_size, secondary(dims, config)
     if k2 is None:
         return []
-    return [k // k2 * n * recipe.weight_bytes for n in unit_slots(params, k, tp, units)]
+    w = config.recipe.weight_bytes
+    return [k // k2 * n * w for n in unit_slots(params, k, dims.tp, units)]
 
 
-
-
-def comm_bytes(params: int, gpus: int, recipe: Recipe, stage: int, tp: int = 1,
-               shard_group: int | None = None, zeropp: ZeroPP | None = None,
+def comm_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
                units: list[int] | None = None) -> int:
     """Bytes one GPU sends per step under ring accounting (its 1/tp of the model, over
-    the ``gpus / tp`` data-parallel ranks): every level of :func:`comm_bytes_by_level`."""
-    return sum(comm_bytes_by_level(params, gpus, recipe, stage, shard_group, tp, zeropp,
-                                   units).values())
+    the data-parallel ranks): every level of :func:`comm_bytes_by_level`."""
+    return sum(comm_bytes_by_level(params, dims, config, units).values())
 
 
-def comm_bytes_by_level(params: int, gpus: int, recipe: Recipe, stage: int,
-                        shard_group: int | None = None, tp: int = 1,
-                        zeropp: ZeroPP | None = None,
+def comm_bytes_by_level(params: int, dims: ParallelDims, config: ZeroConfig,
                         units: list[int] | None = None) -> dict[str, int]:
     """Bytes one GPU sends per step at each level, as the engine's ledger splits them
     (``comm_stats(by_level=True)``):
@@ -188,31 +100,36 @@ def comm_bytes_by_level(params: int, gpus: int, recipe: Recipe, stage: int,
       shard over its R replicas, ``2(R-1)/R·r·P/K`` (stage 0: of the whole gradients,
       ``2(R-1)/R·r·P``); 0 when plain (K = dp, R = 1).
 
-    r and w are the reduce and weight bytes per element; P is this GPU's 1/tp.
+    r and w are the reduce and weight bytes per element of ``config.recipe``; P is this
+    GPU's 1/tp.
 
-    ``zeropp`` (:class:`ZeroPP`, refused where the engine refuses it): under hpZ the
-    backward's gathers move to ``secondary``, ``ring_one_way(K·n·w, K2)`` per unit of
-    slot n; qwZ sends ``(K-1)·quantized_nbytes(n)`` per gather of a unit's weights over
-    the shard group, qgZ the same per reduce-scatter of its gradients. ``units``: the
-    units' parameter counts, whose slots round up apart (one unit of P by default).
-    ``secondary`` is a key only with a secondary group.
+    ZeRO++ as ``config`` takes it: under hpZ the backward's gathers move to
+    ``secondary``, ``ring_one_way(K·n·w, K2)`` per unit of slot n; qwZ sends
+    ``(K-1)·quantized_nbytes(n)`` per gather of a unit's weights over the shard group,
+    qgZ the same per reduce-scatter of its gradients. ``units``: the units' parameter
+    counts, whose slots round up apart (one unit of P by default). ``secondary`` is a
+    key only with a secondary group.
     """
-    z = zeropp or ZeroPP()
-    z.check(stage, recipe)
-    k = shard_degree(gpus, tp, shard_group)
-    k2 = z.secondary(k)
-    replicas = dp_degree(gpus, tp) // k
-    grads = ceil_div(recipe.reduce_bytes * params, tp)
-    weights = ceil_div(recipe.weight_bytes * params, tp)
-    if stage == 0:
-        return {"inside": ring_all_reduce(grads, k), "across": ring_all_reduce(grads, replicas)}
-    slots = unit_slots(params, k, tp, units) if z.active else []
-    quantized = sum((k - 1) * quantized_nbytes(n, z.quant_block) for n in slots)
-    reduce = quantized if z.quantize_grads else ring_one_way(grads, k)
-    gather = quantized if z.quantize_weights else ring_one_way(weights, k)
-    levels = {"inside": reduce + gather, "across": ring_all_reduce(ceil_div(grads, k), replicas)}
-    if stage == 3 and k2 is None:  # ZeRO-3 gathers for forward and again for backward
+    check_layout(dims, config)
+    policy, recipe = config.policy, config.recipe
+    k, k2 = dims.shard_size, secondary(dims, config)
+    grads = ceil_div(recipe.reduce_bytes * params, dims.tp)
+    weights = ceil_div(recipe.weight_bytes * params, dims.tp)
+    if policy.reduce == "all_reduce":  # every rank keeps the average of every gradient
+        return {"inside": ring_all_reduce(grads, k),
+                "across": ring_all_reduce(grads, dims.replicas)}
+    slots = unit_slots(params, k, dims.tp, units) if uses_zeropp(config) else []
+    quantized = sum((k - 1) * quantized_nbytes(n, config.quant_block) for n in slots)
+    gather = quantized if config.quantize_weights else ring_one_way(weights, k)
+    levels = {"inside": quantized if config.quantize_grads else ring_one_way(grads, k),
+              "across": ring_all_reduce(ceil_div(grads, k), dims.replicas)}
+    if policy.gathers_after_step:  # the updated rows, once after the step
         levels["inside"] += gather
-    elif stage == 3:  # hpZ: the backward's, unquantized, over the secondary group
-        levels["secondary"] = sum(ring_one_way(k * n * recipe.weight_bytes, k2) for n in slots)
+    if policy.shards_params:  # gathered for forward, and again for backward
+        levels["inside"] += gather
+        if k2 is None:
+            levels["inside"] += gather
+        else:  # hpZ: the backward's, unquantized, over the secondary group
+            levels["secondary"] = sum(ring_one_way(k * n * recipe.weight_bytes, k2)
+                                      for n in slots)
     return levels

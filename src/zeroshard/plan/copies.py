@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
 from ..spec.formulas import GLOO_BROADCAST_MAX
-from ..spec.recipes import Recipe
-from .comm import ZeroPP
+from .layout import secondary
 
 #: Bytes per element of ``runtime/quantize._quantize_rows`` (and ``_pack``) over an input
 #: of a bytes an element, its unfused torch ops one by one: the zeroed fp32 copy (4, then
@@ -84,59 +85,64 @@ class CopyBytes:
                         + self.sync_unpack + self.step)
 
 
-def copy_bytes(recipe: Recipe, stage: int, unit_params: float, dp: int,
-               gloo: bool = False, offload: str | None = None,
-               zeropp: ZeroPP | None = None) -> CopyBytes:
-    """:class:`CopyBytes` of one unit of ``unit_params`` parameters over ``dp`` ranks;
-    ``gloo``: with the copies the engine adds around gloo's in-place all-gathers;
-    ``offload`` (``plan/offload.py``): every landing casts the reduced slot to the
-    master dtype on the device before it goes to the host (CUDA converts, then copies
-    across), and the step's casts and the stage 1-2 all-gather input are made on the
-    host (the input arrives by PCIe, no device copy). ``zeropp``: qwZ's and qgZ's
-    quantize and dequantize passes, hpZ's backward gathers inside the secondary group."""
+def copy_bytes(config: ZeroConfig, dims: ParallelDims, unit_params: float,
+               gloo: bool = False) -> CopyBytes:
+    """:class:`CopyBytes` of one unit of ``unit_params`` parameters over the shard
+    group's K ranks of ``dims``, as ``config`` runs it; ``gloo``: with the copies the
+    engine adds around gloo's in-place all-gathers. Offloaded (the policy's placement,
+    ``plan/offload.py``), every landing casts the reduced slot to the master dtype on
+    the device before it goes to the host (CUDA converts, then copies across), and the
+    step's casts and the stage 1-2 all-gather input are made on the host (the input
+    arrives by PCIe, no device copy). ZeRO++: qwZ's and qgZ's quantize and dequantize
+    passes, hpZ's backward gathers inside the secondary group."""
+    policy, recipe, dp = config.policy, config.recipe, dims.shard_size
     Q, n = unit_params, unit_params / dp
     w, g, r, m = (recipe.weight_bytes, recipe.grad_bytes, recipe.reduce_bytes,
                   recipe.master_bytes)
     wd, gd, md = recipe.param_dtype, recipe.grad_dtype, recipe.master_dtype
     rd = recipe.reduce_dtype or gd
-    if stage == 0:
+    if policy.averages_grads:
         land = Q * (r + g)  # _land_full_grads: divide, cast and copy in one pass
         land_more = land
     else:
         land = 2 * n * r + _cast(n, rd, gd, r, g)
-        land_more = land if stage == 1 else 2 * n * r + n * (r + 2 * g)
+        # stage 1 lands each reduction as the first; stages 2-3 add into the shard
+        land_more = land if policy.keeps_local_grads else 2 * n * r + n * (r + 2 * g)
     gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
     # an all-gather on gloo: the input into its slot (stage 3; the stage 1-2 input is
     # written there) up to GLOO_BROADCAST_MAX ranks, above it torch's copy out of a flat
     # buffer
     broadcasts = dp <= GLOO_BROADCAST_MAX
     staged = 0.0 if not gloo or broadcasts else 2 * Q * w
-    z = zeropp or ZeroPP()
     gather = gather_back = 0.0
-    if stage == 3:
+    if policy.shards_params:
         gather = gather_back = 2 * Q * w + (2 * n * w if gloo and broadcasts else staged)
-        if z.quantize_weights and dp > 1:  # all_gather_single of int8 rows, any backend
+        if config.quantize_weights and dp > 1:  # all_gather_single of int8 rows, any backend
             gather = 2 * Q * w + (QUANTIZE_BYTES + w) * n + (DEQUANTIZE_BYTES + 4 + w) * Q
             gather_back = gather
-        k2 = z.secondary(dp)
+        k2 = secondary(dims, config)
         if k2 is not None:  # on gloo as any gather, over K2 ranks of the kept K/K2 slots
             extra = 0.0
             if gloo and k2 > 1:
                 extra = 2 * Q * w / k2 if k2 <= GLOO_BROADCAST_MAX else 2 * Q * w
             gather_back = 2 * Q * w + extra
     pack = Q * (g + r)
-    if z.quantize_grads and stage > 0 and dp > 1:
+    if config.quantize_grads and dp > 1:
         pack += (QUANTIZE_BYTES + r) * Q + DEQUANTIZE_BYTES * Q + (12 * dp + r) * n
-    if offload:  # the landing's cast before the copy down (an fp32 master offloaded)
+    offloaded = policy.offloads_optimizer
+    if offloaded:  # the landing's cast before the copy down (an fp32 master offloaded)
         down = _cast(n, gd, md or "fp32", g, m or 4)
         land, land_more = land + down, land_more + down
-    master = md is not None or offload is not None  # offloaded: a host master even in fp32
+    master = md is not None or offloaded  # offloaded: a host master even in fp32
     sync_input = sync_unpack = step = 0.0
-    if stage in (1, 2):
-        sync_input = 0.0 if offload else _cast(n, md, wd, m, w) if md else 2 * n * w
+    if policy.gathers_after_step:
+        sync_input = 0.0 if offloaded else _cast(n, md, wd, m, w) if md else 2 * n * w
         # with a master every row is re-landed; without, the other ranks' rows only
         sync_unpack = (2 * Q * w if master else 2 * (Q - n) * w) + staged
-    if md and not offload:
-        owned = Q if stage == 0 else n
-        step = _cast(owned, gd, md, g, m) + (owned * (m + w) if stage in (0, 3) else 0.0)
+    if md and not offloaded:
+        owned = n if policy.shards_optimizer else Q
+        # the master cast into the compute weights on this rank alone: the full weights
+        # at stage 0, the weight shard at stage 3
+        cast_back = owned * (m + w) if not policy.gathers_after_step else 0.0
+        step = _cast(owned, gd, md, g, m) + cast_back
     return CopyBytes(pack, land, land_more, gather, sync_input, sync_unpack, gather_back, step)

@@ -34,13 +34,15 @@ written and the fp32 gradient read, and writes the cast compute copy when its dt
 differs: ``2·(m + S) + m + [w ≠ m]·w`` bytes, 28 in fp32 and 30 under bf16 AdamW
 (docs/offload.md: torch's fused CPU AdamW, bandwidth-bound).
 
-**Disk offload** (``offload_dir``, ``--offload-dir``; ``offload/stream.py``): the
-master and the states move from the host to files, ``(m + S)·n`` per GPU on disk; the
-host keeps the fp32 gradient copy and the step's sub-group buffers, two of
-``(m + S)·G`` bytes for sub-groups of G = ``sub_group_size`` elements (fewer when the
-rank's n elements make fewer sub-groups, and ``min(G, n)`` each). Every step reads and
-writes the whole partition: ``(m + S)·n`` bytes each way per GPU, at the host preset's
-``disk_bandwidth`` (``plan/hardware.py``). The device's bytes are host offload's.
+**Disk offload** (the policy places the optimizer on ``"disk"``: ``offload_dir`` a
+folder, or ``PLANNED_DISK`` for a plan, as ``--offload-dir`` gives it;
+``offload/stream.py``): the master and the states move from the host to files,
+``(m + S)·n`` per GPU on disk; the host keeps the fp32 gradient copy and the step's
+sub-group buffers, two of ``(m + S)·G`` bytes for sub-groups of G = ``sub_group_size``
+elements (fewer when the rank's n elements make fewer sub-groups, and ``min(G, n)``
+each). Every step reads and writes the whole partition: ``(m + S)·n`` bytes each way
+per GPU, at the host preset's ``disk_bandwidth`` (``plan/hardware.py``). The device's
+bytes are host offload's.
 
 **The streamed step's seconds** (:func:`streamed_step`; ``offload/stream.py``): sub-group
 k is stepped while the one I/O thread writes k - 1 back and then reads k + 1 into the
@@ -61,54 +63,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec.formulas import SUB_GROUP_SIZE, ceil_div
-from ..spec.recipes import DTYPE_BYTES, Recipe
-from ..spec.rules import OFFLOADS, check_stage_options
-from .comm import shard_degree
-from .memory import model_state_bytes
-
-#: The master's bytes when the recipe has none: the engine keeps an fp32 host copy.
-HOST_MASTER_BYTES = DTYPE_BYTES["fp32"]
-
-
-
-def check_offload(offload: str | None, stage: int | None = None) -> None:
-    """A ValueError naming a bad ``offload`` (or one ``stage`` cannot take), in the
-    engine's words (``spec/rules.py``)."""
-    if offload is None:
-        return
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload={offload!r}; expected None, 'optimizer' or 'params'")
-    if stage is not None:
-        check_stage_options(stage, offload=offload)
-
-
-def check_offload_dir(offload_dir: bool, offload: str | None) -> None:
-    """A ValueError when ``offload_dir`` is asked without an ``offload`` to put there."""
-    if offload_dir and offload is None:
-        raise ValueError("offload_dir keeps the offloaded optimizer state on disk: set "
-                         "offload='optimizer' (or 'params')")
-
-
-def offload_at(stage: int, offload: str | None) -> str | None:
-    """The most of ``offload`` that ``stage`` can take: none at stage 0, the optimizer's
-    below stage 3 (the plan table shows each strategy so)."""
-    check_offload(offload)
-    if offload is None or stage == 0:
-        return None
-    return offload if stage == 3 else "optimizer"
-
-
-def master_bytes(recipe: Recipe, offload: str | None) -> int:
-    """Bytes per element of the master: the recipe's, or 4 offloaded without one."""
-    m = recipe.master_bytes
-    return m or (HOST_MASTER_BYTES if offload else 0)
-
-
-def offloaded_state_bytes(recipe: Recipe, offload: str | None) -> int:
-    """Bytes per owned element of the master and the optimizer states offloaded: what
-    disk offload keeps in files, reads and writes each step (12 for AdamW)."""
-    return master_bytes(recipe, offload) + recipe.optimizer_bytes - recipe.master_bytes
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
+from ..spec.formulas import SUB_GROUP_SIZE, ceil_div  # noqa: F401 (re-exported)
+from ..spec.recipes import Recipe
+from ..spec.rules import OFFLOADS  # noqa: F401 (re-exported)
+from .state import (  # noqa: F401 (HOST_MASTER_BYTES re-exported)
+    HOST_MASTER_BYTES,
+    master_bytes,
+    model_state_bytes,
+    optimizer_bytes,
+    owned,
+)
 
 
 @dataclass(frozen=True)
@@ -146,6 +112,11 @@ class Placement:
     disk: Bytes = Bytes()
     """In files (disk offload): the master and the optimizer states."""
 
+    def total(self, category: str) -> int:
+        """Bytes of ``category`` (a :class:`Bytes` field) over every placement: what the
+        engine's ledger counts in that category."""
+        return sum(getattr(b, category) for b in (self.device, self.host, self.disk))
+
     def host_per_node(self, gpus_per_node: int) -> int:
         """Host memory a node must hold for its ``gpus_per_node`` GPUs' state."""
         return self.host.total * gpus_per_node
@@ -163,60 +134,47 @@ class Placement:
         return out
 
 
-def owned(params: int, gpus: int, stage: int, tp: int = 1,
-          shard_group: int | None = None) -> int:
-    """Elements whose optimizer state this GPU holds: P/tp at stage 0, over K above."""
-    k = shard_degree(gpus, tp, shard_group) if stage else 1
-    return ceil_div(ceil_div(params, tp), k)
-
-
-def placed_bytes(params: int, gpus: int, recipe: Recipe, stage: int,
-                 offload: str | None = None, tp: int = 1,
-                 shard_group: int | None = None, offload_dir: bool = False,
-                 sub_group_size: int = SUB_GROUP_SIZE) -> Placement:
+def placed_bytes(params: int, dims: ParallelDims, config: ZeroConfig) -> Placement:
     """Bytes per GPU per category and placement at the optimizer step, as the engine's
-    ``memory(by_placement=True)`` reports them in a step pre-hook (every slot unpadded);
-    ``offload_dir``: the master and the states in files (:func:`on_disk`)."""
-    check_offload(offload, stage)
-    if offload_dir:
-        return on_disk(placed_bytes(params, gpus, recipe, stage, offload, tp, shard_group),
-                       params, gpus, recipe, stage, tp, shard_group, sub_group_size)
-    weights, grads, optimizer = model_state_bytes(params, gpus, recipe, stage, tp, shard_group)
-    n = owned(params, gpus, stage, tp, shard_group)
-    m = master_bytes(recipe, offload)
-    slot = n * recipe.grad_bytes if stage == 1 else 0  # kept beside the full gradients
-    copy = n * m if offload or (m and recipe.master_dtype != recipe.grad_dtype) else 0
-    if offload is None:
+    ``memory(by_placement=True)`` reports them in a step pre-hook (every slot unpadded):
+    ``config``'s policy places each category (``ShardPolicy.placement``); on disk, the
+    master and the states are in files (:func:`on_disk`)."""
+    policy, recipe = config.policy, config.recipe
+    weights, grads, optimizer = model_state_bytes(params, dims, config)
+    n = owned(params, dims, policy)
+    offloaded = policy.offloads_optimizer
+    m = master_bytes(recipe, offloaded)
+    # stage 1 keeps its reduced slot beside the full gradients it keeps
+    slot = n * recipe.grad_bytes if policy.keeps_local_grads else 0
+    copy = n * m if offloaded or (m and recipe.master_dtype != recipe.grad_dtype) else 0
+    if not offloaded:
         return Placement(None, Bytes(weights, grads, optimizer, slot + copy), Bytes())
-    states = recipe.optimizer_bytes - recipe.master_bytes
-    host_opt = ceil_div(ceil_div(params * (m + states), tp),
-                         shard_degree(gpus, tp, shard_group))
-    on_host = offload == "params"
-    return Placement(offload,
-                     Bytes(0 if on_host else weights, grads, 0, slot),
-                     Bytes(weights if on_host else 0, 0, host_opt, copy))
+    on_host = policy.where("params") == "host"
+    placed = Placement(config.offload,
+                       Bytes(0 if on_host else weights, grads, 0, slot),
+                       Bytes(weights if on_host else 0, 0, optimizer, copy))
+    return on_disk(placed, params, dims, config) if policy.optimizer_on_disk else placed
 
 
-def pcie_bytes(params: int, gpus: int, recipe: Recipe, stage: int, offload: str | None,
-               tp: int = 1, shard_group: int | None = None,
+def pcie_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
                micro_batches: int = 1) -> dict[str, int]:
     """Bytes one GPU moves over its host link per step: ``down`` (device to host, the
     reduced gradient slots in the master dtype, once per micro-batch) and ``up`` (host to
-    device: the updated shard in the compute dtype, or with ``params`` the shard of every
-    gather, two per micro-batch)."""
-    check_offload(offload, stage)
-    if offload is None:
+    device: the updated shard in the compute dtype, or with the weight shards on the
+    host the shard of every gather, two per micro-batch)."""
+    policy, recipe = config.policy, config.recipe
+    if not policy.offloads_optimizer:
         return {"down": 0, "up": 0}
-    n = owned(params, gpus, stage, tp, shard_group)
+    n = owned(params, dims, policy)
     w = recipe.weight_bytes
-    up = 2 * micro_batches * n * w if offload == "params" else n * w
-    return {"down": micro_batches * n * master_bytes(recipe, offload), "up": up}
+    up = 2 * micro_batches * n * w if policy.where("params") == "host" else n * w
+    return {"down": micro_batches * n * master_bytes(recipe, True), "up": up}
 
 
-def host_step_bytes(recipe: Recipe, offload: str | None) -> int:
+def host_step_bytes(recipe: Recipe) -> int:
     """Bytes per owned element the host step streams: master and moments read and
     written, the fp32 gradient read, the compute copy written when it is cast."""
-    m = master_bytes(recipe, offload)
+    m = master_bytes(recipe, True)
     states = recipe.optimizer_bytes - recipe.master_bytes
     cast = recipe.weight_bytes if recipe.weight_bytes != m else 0
     return 2 * (m + states) + m + cast
@@ -236,25 +194,24 @@ def sub_group_buffers(owned_elements: int, state_bytes: int, sub_group_size: int
     return min(2, groups) * state_bytes * min(sub_group_size, owned_elements)
 
 
-def on_disk(placed: Placement, params: int, gpus: int, recipe: Recipe, stage: int,
-            tp: int = 1, shard_group: int | None = None,
-            sub_group_size: int = SUB_GROUP_SIZE) -> Placement:
-    """``placed`` (an offloaded :func:`placed_bytes`) with the master and the states in
-    files: the host keeps the fp32 gradient copy and gains the sub-group buffers."""
-    check_offload_dir(True, placed.offload)
-    n = owned(params, gpus, stage, tp, shard_group)
-    per = offloaded_state_bytes(recipe, placed.offload)
-    buffers = sub_group_buffers(n, per, sub_group_size)
+def on_disk(placed: Placement, params: int, dims: ParallelDims,
+            config: ZeroConfig) -> Placement:
+    """``placed`` (host offload's :class:`Placement`) with the master and the states in
+    files: the host keeps the fp32 gradient copy and gains the sub-group buffers of
+    ``config.sub_group_size`` elements."""
+    n = owned(params, dims, config.policy)
+    buffers = sub_group_buffers(n, optimizer_bytes(config), config.sub_group_size)
     host = Bytes(placed.host.weights, placed.host.grads, 0, placed.host.buffers + buffers)
     return Placement(placed.offload, placed.device, host, Bytes(optimizer=placed.host.optimizer))
 
 
-def disk_io_bytes(params: int, gpus: int, recipe: Recipe, stage: int, offload: str,
-                  tp: int = 1, shard_group: int | None = None) -> dict[str, int]:
+def disk_io_bytes(params: int, dims: ParallelDims, config: ZeroConfig) -> dict[str, int]:
     """Bytes one GPU's step reads from and writes to its files: the whole partition's
-    master and states, each way."""
-    n = owned(params, gpus, stage, tp, shard_group)
-    per = offloaded_state_bytes(recipe, offload)
+    master and states, each way (none unless ``config`` places them on disk)."""
+    if not config.policy.optimizer_on_disk:
+        return {"read": 0, "write": 0}
+    n = owned(params, dims, config.policy)
+    per = optimizer_bytes(config)
     return {"read": per * n, "write": per * n}
 
 
@@ -278,12 +235,12 @@ def streamed_step(owned_elements: int, sub_group_size: int, host_seconds: float,
     return total + max(0, groups - 3) * slot(1)
 
 
-def disk_seconds(params: int, gpus: int, recipe: Recipe, stage: int, offload: str,
-                 tp: int, shard_group: int | None, sub_group_size: int,
-                 host_seconds: float, disk_bandwidth: float) -> tuple[float, float]:
+def disk_seconds(params: int, dims: ParallelDims, config: ZeroConfig, host_seconds: float,
+                 disk_bandwidth: float) -> tuple[float, float]:
     """(the drive's read and write seconds of one GPU's step, what the streamed step
     adds to a host step of ``host_seconds`` an owned element): the step-time model's
     disk terms."""
-    n = owned(params, gpus, stage, tp, shard_group)
-    per = offloaded_state_bytes(recipe, offload) / disk_bandwidth
-    return 2 * n * per, streamed_step(n, sub_group_size, host_seconds, per) - n * host_seconds
+    n = owned(params, dims, config.policy)
+    per = optimizer_bytes(config) / disk_bandwidth
+    return (2 * n * per,
+            streamed_step(n, config.sub_group_size, host_seconds, per) - n * host_seconds)

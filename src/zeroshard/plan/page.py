@@ -7,9 +7,12 @@ check" exercises. Everything is inlined (styles, scripts, data), so the file ope
 disk with no network access.
 
 The page never holds a second copy of the planner's numbers: presets, recipes,
-strategies and the search limit are dumped here from the Python definitions, and the
-formulas in ``page/planner.js`` mirror :mod:`.memory` and :mod:`.advice` function by
-function (``tests/test_page.py`` drives the page in a browser and compares exactly).
+strategies and the search limit are dumped here from the Python definitions, and so is
+what each stage means (``policies``: ``ShardPolicy.as_dict`` per stage, and the stages
+each offload takes), which the scripts read instead of comparing stage numbers; the
+formulas in ``page/planner.js`` mirror :mod:`.state`, :mod:`.comm`, :mod:`.memory` and
+:mod:`.advice` function by function (``tests/test_page.py`` drives the page in a
+browser and compares exactly).
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ import json
 from importlib.resources import files
 from pathlib import Path
 
+from ..spec.config import ZeroConfig
+from ..spec.policy import ShardPolicy
 from ..spec.recipes import DEFAULT_RECIPE, RECIPES, Recipe, get_recipe
+from ..spec.rules import OFFLOADS
 from .advice import MAX_GPUS
 from .arch import PRESETS, Architecture, ModelSpec
 from .hardware import DEFAULT_HOST, HOSTS, Host
+from .layout import takes_all
 from .memory import STRATEGIES, Workload, shard_degree
 
 #: GPU memory choices offered on the page, in GB (24 GB consumer cards to 141 GB H200).
@@ -51,6 +58,16 @@ def _host_data(host: Host) -> dict:
     """The host side advice.offload_offer prices offload with, nodes of 8 GPUs."""
     return {"pcie_name": host.pcie.name, "pcie_bandwidth": host.pcie.bandwidth,
             "memory_bandwidth": host.memory_bandwidth, "gpus_per_node": 8}
+
+
+def _policy_data() -> dict:
+    """What each stage means, for the scripts: its policy (``ShardPolicy.as_dict``:
+    which categories it shards, its reduction, what follows the step), and per offload
+    the stages that take it (``spec/rules.py``)."""
+    stages = range(len(STRATEGIES))
+    return {"policies": [ShardPolicy.for_stage(s).as_dict() for s in stages],
+            "offload_stages": {o: [s for s in stages if takes_all(s, ZeroConfig(offload=o))]
+                               for o in OFFLOADS}}
 
 
 def _recipe_key(recipe: Recipe) -> str:
@@ -119,6 +136,7 @@ def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = Fals
     recipes.setdefault(_recipe_key(recipe), _recipe_data(recipe))
     return {
         "strategies": list(STRATEGIES),
+        **_policy_data(),
         "max_gpus": MAX_GPUS,
         "gpu_memory_gb": list(GPU_MEMORY_GB),
         "default_recipe": DEFAULT_RECIPE,

@@ -27,20 +27,21 @@ beside the compute weights and the optimizer state it keeps:
 Gradients are held through backward only when accumulating (the step's first backward
 starts after ``zero_grad``): then the stored gradients, and at stage 1 the reduced slot.
 
-With ``offload`` (``plan/offload.py``) the moments count what stays on the device: the
-master, the optimizer state, the fp32 gradient copies and the step's temporaries move to
-the host (:attr:`Peak.host`), with ``params`` the weight shards too, whose device copies
-join each gather in flight. With ``offload_dir`` (disk offload) the device's moments are
-host offload's; the host holds what ``placed_bytes(..., offload_dir=True)`` places there
-(the fp32 gradient copy and the step's sub-group buffers; the master and the states are
-in files) and no temporaries: the streamed step runs torch's fused AdamW kernel on each
-sub-group (``offload/stream.py``) whatever ``optimizer_impl`` says.
+With offload (``ZeroConfig.offload``, ``plan/offload.py``) the moments count what stays
+on the device: the master, the optimizer state, the fp32 gradient copies and the step's
+temporaries move to the host (:attr:`Peak.host`), with ``params`` the weight shards too,
+whose device copies join each gather in flight. With the optimizer on disk (the policy's
+placement) the device's moments are host offload's; the host holds what
+``placed_bytes`` places there (the fp32 gradient copy and the step's sub-group buffers;
+the master and the states are in files) and no temporaries: the streamed step runs
+torch's fused AdamW kernel on each sub-group (``offload/stream.py``) whatever
+``optimizer_impl`` says.
 
-With hpZ (``zeropp``, :class:`~zeroshard.plan.comm.ZeroPP`) every unit keeps its
-secondary shards (K/K2 of its weights' slots) from its forward until its backward is
-done: all of them at the loss's backward, those of the units not yet done later, none
-at the step. qwZ's and qgZ's int8 send and receive buffers (about half a unit's weights
-or gradients in flight) are left out.
+With hpZ (``ZeroConfig.secondary_group``) every unit keeps its secondary shards (K/K2 of
+its weights' slots) from its forward until its backward is done: all of them at the
+loss's backward, those of the units not yet done later, none at the step. qwZ's and
+qgZ's int8 send and receive buffers (about half a unit's weights or gradients in
+flight) are left out.
 
 ``profiled`` leaves out what the engine's profiler cannot see (autograd's gradients, a
 unit's full gradients at stages 2-3 before they are packed, the optimizer's
@@ -50,27 +51,29 @@ computed on the logits the model returns, as ``zeroshard train --hf-model`` does
 transformers given ``labels`` do) the loss's own saved tensors
 (``activations.loss_bytes``: its fp32 log-softmax and the labels) are real memory, in
 :attr:`Peak.bytes`, but outside the profiler's saved-tensor hooks, which wrap the
-model's forward only, so not in ``profiled``.
+model's forward only, so not in ``profiled``. :attr:`Peak.counted` is ``profiled`` as the
+ledger's categories count it, every placement included (the state kept on the host or
+on disk, and the host's step buffers at the step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
 from ..spec.formulas import ceil_div
+from ..spec.policy import ShardPolicy
 from ..spec.recipes import Recipe
 from .activations import head_bytes, loss_backward_bytes, loss_bytes
 from .arch import ModelSpec
 from .backward import BackwardPass, Moment
-from .memory import (
-    Workload,
-    ZeroPP,
-    activation_saved,
-    secondary_bytes,
-    shard_degree,
-    unit_sizes,
-)
-from .offload import SUB_GROUP_SIZE, check_offload_dir, offload_at, placed_bytes
+from .comm import secondary_bytes
+from .layout import check_layout
+from .memory import unit_sizes
+from .offload import Placement, placed_bytes
+from .state import owned
+from .workload import Workload, activation_saved
 
 #: How the optimizer's temporaries are counted: all owned elements, none, one parameter.
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
@@ -118,6 +121,8 @@ class Peak:
     unseen_loss: int = 0
     """Of ``head_activations``, the loss's own saved tensors when it runs outside the
     model's forward, where the profiler does not count them (``loss_outside``)."""
+    placement: Placement | None = None
+    """Where the training state lives at the step (``offload.placed_bytes``)."""
 
     @property
     def accumulating(self) -> bool:
@@ -176,6 +181,25 @@ class Peak:
         inside = {"block backward": self.blocks.seen_at, "backward end": self.end.seen_at}
         return f"{name} ({inside[name]})" if name in inside else name
 
+    @property
+    def off_device(self) -> int:
+        """State held off the device at every moment: the host's weight shards, the
+        host's or the disk's master and optimizer state."""
+        if self.placement is None:
+            return 0
+        p = self.placement
+        return p.host.weights + p.host.optimizer + p.disk.optimizer
+
+    @property
+    def counted(self) -> int:
+        """:attr:`profiled` as the engine's ledger counts it: its categories hold every
+        placement, so the state kept off the device at every moment, and the host's
+        step buffers (the fp32 gradient copies, disk offload's sub-groups) at the step."""
+        step = self.placement.host.buffers if self.placement is not None else 0
+        phases = self.seen_phases
+        phases["optimizer step"] += step
+        return max(phases.values()) + self.off_device
+
     def as_dict(self) -> dict:
         out = {k: getattr(self, k) for k in (
             "weights", "grads", "optimizer", "activations", "head_activations",
@@ -196,28 +220,22 @@ def unit_params(model: ModelSpec, blocks_per_unit: int, tp: int = 1) -> tuple[in
     return (ceil_div(model.root_params, tp), ceil_div(blocks * model.block_params, tp))
 
 
-def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int,
-         prefetch: int = 1, blocks_per_unit: int = 1, tp: int = 1, micro_batches: int = 1,
-         optimizer_impl: str = "foreach", shard_group: int | None = None,
-         offload: str | None = None, zeropp: ZeroPP | None = None,
-         offload_dir: bool = False, sub_group_size: int = SUB_GROUP_SIZE,
+def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workload,
+         blocks_per_unit: int = 1, micro_batches: int = 1, optimizer_impl: str = "foreach",
          loss_outside: bool = False) -> Peak:
-    """The :class:`Peak` of one GPU of ``gpus`` at ``stage`` running ``micro_batches``
-    micro-batches of ``work`` per step; with ``shard_group`` K (hybrid sharding) every
-    shard, reduction buffer and owned slice is that of K ranks (the replicas'
-    all-reduce runs in place on the reduced slot: nothing more is held); ``offload`` as
-    far as ``stage`` takes it (``offload.offload_at``); ``zeropp`` as far as ``stage``
-    takes it (``ZeroPP.at``): hpZ's secondary shards; ``offload_dir`` (with ``offload``)
-    the master and the states in files, streamed in sub-groups of ``sub_group_size``;
-    ``loss_outside``: the loss runs outside the model's forward (:attr:`Peak.unseen_loss`)."""
+    """The :class:`Peak` of one GPU of the layout ``dims`` running ``config`` (its stage,
+    recipe, prefetch, offload and its placement, hpZ's secondary shards), with
+    ``micro_batches`` micro-batches of ``work`` per step in units of ``blocks_per_unit``
+    blocks; every shard, reduction buffer and owned slice is that of the shard group's K
+    ranks (under hybrid sharding the replicas' all-reduce runs in place on the reduced
+    slot: nothing more is held); ``loss_outside``: the loss runs outside the model's
+    forward (:attr:`Peak.unseen_loss`)."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ValueError(f"optimizer_impl={optimizer_impl!r}; expected one of "
                          f"{', '.join(OPTIMIZER_IMPLS)}")
-    dp = shard_degree(gpus, tp, shard_group)  # the ranks each category is sharded over
-    check_offload_dir(offload_dir, offload)
-    offload = offload_at(stage, offload)
-    placed = placed_bytes(model.params, gpus, recipe, stage, offload, tp, shard_group,
-                          bool(offload and offload_dir), sub_group_size)
+    check_layout(dims, config)
+    policy, recipe, tp, k = config.policy, config.recipe, dims.tp, dims.shard_size
+    placed = placed_bytes(model.params, dims, config)
     device = placed.device
     saved = activation_saved(model, recipe, work, tp)
     acts = saved.peak if saved else 0
@@ -227,36 +245,39 @@ def peak(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, stage: int
         loss = work.tokens * loss_backward_bytes(model.arch)
         unseen = work.tokens * loss_bytes(model.arch) if loss_outside else 0
     root, block = unit_params(model, blocks_per_unit, tp)
+    prefetch = config.prefetch if policy.shards_params else 0  # whole weights: no gathers
+    params_on_host = policy.where("params") == "host"
     gathered = 0
-    if stage == 3:
+    if policy.shards_params:  # the root unit gathered, the next prefetch blocks arriving
         gathered = (root + prefetch * block) * recipe.weight_bytes
-        if offload == "params":  # each gather's input copied up from the host first
-            gathered += ceil_div(root + prefetch * block, dp) * recipe.weight_bytes
-    owned = ceil_div(model.params, tp) if stage == 0 else ceil_div(model.params, tp * dp)
+        if params_on_host:  # each gather's input copied up from the host first
+            gathered += ceil_div(root + prefetch * block, k) * recipe.weight_bytes
+    mine = owned(model.params, dims, policy)
     state = recipe.optimizer_bytes - recipe.master_bytes  # bytes per element of the moments
     per_state = state // recipe.optimizer_states if recipe.optimizer_states else 0
-    largest = max(root, block) if stage == 0 else ceil_div(max(root, block), dp)
-    temporaries = {"foreach": owned * per_state, "fused": 0,
+    largest = ceil_div(max(root, block), k if policy.shards_optimizer else 1)
+    temporaries = {"foreach": mine * per_state, "fused": 0,
                    "for-loop": largest * per_state}[optimizer_impl]
-    streamed = offload and offload_dir  # the fused kernel on each sub-group: none
-    host = placed.host.total + (0 if streamed else temporaries) if offload else 0
-    if offload:  # the step's temporaries are the host's
+    offloaded = policy.offloads_optimizer
+    streamed = policy.optimizer_on_disk  # the fused kernel on each sub-group: none
+    host = placed.host.total + (0 if streamed else temporaries) if offloaded else 0
+    if offloaded:  # the step's temporaries are the host's
         temporaries = 0
     during = 0
     if micro_batches > 1:  # stage 1's reduced slot lives from one backward to the next
-        during = device.grads + (owned * recipe.grad_bytes if stage == 1 else 0)
-    kept = secondary_bytes(model.params, gpus, recipe, stage, shard_group, tp,
-                           zeropp and zeropp.at(stage), unit_sizes(model, blocks_per_unit))
-    walk = _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, tp,
-                     micro_batches > 1, offload == "params", kept)
+        during = device.grads + (mine * recipe.grad_bytes if policy.keeps_local_grads else 0)
+    kept = secondary_bytes(model.params, dims, config, unit_sizes(model, blocks_per_unit))
+    walk = _backward(model, policy, recipe, saved, k, prefetch, blocks_per_unit, tp,
+                     micro_batches > 1, params_on_host, kept)
     forward_saved = saved.blocks + saved.head if saved else 0
     return Peak(device.weights, device.grads, device.optimizer, acts, head, forward_saved,
                 loss, gathered, walk.blocks_moment(), walk.end_moment(), device.buffers,
-                temporaries, during, host, sum(kept), unseen)
+                temporaries, during, host, sum(kept), unseen, placed)
 
 
-def _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, tp,
-              accumulating, params_offloaded, kept) -> BackwardPass:
+def _backward(model: ModelSpec, policy: ShardPolicy, recipe: Recipe, saved, k: int,
+              prefetch: int, blocks_per_unit: int, tp: int, accumulating: bool,
+              params_offloaded: bool, kept: list[int]) -> BackwardPass:
     """The :class:`BackwardPass` of this model and workload: units of
     ``blocks_per_unit`` blocks, each block unit's share of the saved bytes (every block
     alike), a bare count's units all block units (no root, no head)."""
@@ -272,7 +293,7 @@ def _backward(model, recipe, saved, work, stage, dp, prefetch, blocks_per_unit, 
     block_saved = ceil_div(saved.blocks * per_unit, layers) if saved else 0
     secondary_root = kept[0] if kept and arch else 0
     secondary_unit = max(kept[1:] if arch else kept, default=0)
-    return BackwardPass(stage, dp, recipe, units, unit, root, head, bool(arch and arch.tied),
+    return BackwardPass(policy, k, recipe, units, unit, root, head, bool(arch and arch.tied),
                         norm, block_saved, saved.recompute if saved else 0,
-                        saved.kept if saved else 0, prefetch if stage == 3 else 0,
-                        accumulating, params_offloaded, secondary_root, secondary_unit)
+                        saved.kept if saved else 0, prefetch, accumulating,
+                        params_offloaded, secondary_root, secondary_unit)

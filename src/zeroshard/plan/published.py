@@ -26,11 +26,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from statistics import median
 
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
 from ..spec.recipes import get_recipe
 from .arch import PRESETS, ModelSpec
 from .hardware import ACCELERATORS, Cluster, get_network
 from .memory import Workload
 from .steptime import Schedule, step_time
+
+#: What every run is replayed as: ZeRO-3, bf16 mixed AdamW reduced in bf16, prefetch 1.
+ZERO3_BF16 = ZeroConfig(stage=3, mixed_precision=get_recipe("bf16-mixed-adamw"))
 
 
 @dataclass(frozen=True)
@@ -128,8 +133,8 @@ def replay(runs: tuple[Run, ...] = RUNS, accelerators=None) -> list[Replayed]:
         tokens = run.micro_batch * run.seq_len
         work = Workload(tokens, run.seq_len, run.checkpoint_every > 0, True,
                         max(1, run.checkpoint_every))
-        t = step_time(model_of(run), get_recipe("bf16-mixed-adamw"), work, run.gpus,
-                      Cluster(acc, net), Schedule(3, shard_group=run.shard_group))
+        dims = ParallelDims(run.gpus, shard=run.shard_group)
+        t = step_time(model_of(run), dims, ZERO3_BF16, work, Cluster(acc, net), Schedule())
         out.append(Replayed(run, t.tokens_per_gpu))
     return out
 

@@ -3,9 +3,11 @@ what the alternatives would cost (``recommend.py`` finds the candidates)."""
 
 from __future__ import annotations
 
+from ..spec.dims import ParallelDims
+from ..spec.policy import ShardPolicy
 from .advice import gpu_counts
 from .memory import STRATEGIES, Workload
-from .offload import SUB_GROUP_SIZE, disk_io_bytes, pcie_bytes
+from .offload import disk_io_bytes, pcie_bytes
 from .peak import peak
 
 #: A more complex configuration must beat a simpler one by more than this fraction.
@@ -68,13 +70,13 @@ def reasons(best, found, need: dict, tps, groups: dict, cluster, limit: int,
     checkpointing, micro-batch."""
     b = best
     others = []
-    for s in range(4):
-        if s == b.stage:
+    for s, name in enumerate(STRATEGIES):
+        if name == b.strategy:
             continue
         alt = best_where(found, stage=s)
-        least = min((v for (st, _, _), v in need.items() if st == s), default=0)
-        others.append(f"{STRATEGIES[s]} " + (f"{pct(alt, b)} at best" if alt else
-                                             f"does not fit (needs {gb(least)} or more)"))
+        least = min((v for key, v in need.items() if STRATEGIES[key[0]] == name), default=0)
+        others.append(f"{name} " + (f"{pct(alt, b)} at best" if alt else
+                                    f"does not fit (needs {gb(least)} or more)"))
     why = {"stage": (f"{b.strategy}: the lowest stage within {TIE:.0%} of the fastest that "
                      f"fits {gb(limit)} ({headroom:.0%} headroom); " + "; ".join(others))}
     same = dict(stage=b.stage, group_gpus=b.group_gpus)  # the same layout: plain or groups
@@ -93,7 +95,7 @@ def reasons(best, found, need: dict, tps, groups: dict, cluster, limit: int,
                         "reduction per unit; finer units pay the latency α more often, "
                         "coarser ones hold more transient memory and expose a bigger first "
                         "gather" + (f"; {', '.join(alts)}" if alts else ""))
-    if b.stage == 3:
+    if b.policy.shards_params:
         alts = [f"{d} {pct(a, b)}" for d in PREFETCH if d != b.prefetch
                 and (a := best_where(found, checkpointing=b.checkpointing,
                                      blocks_per_unit=b.blocks_per_unit, prefetch=d, **same))]
@@ -126,11 +128,14 @@ def _group_name(shard_group: int | str, cluster) -> str:
     return f"{shard_group} ranks"
 
 
-def _fewest_gpus(model, recipe, limit: int, work: Workload) -> int | None:
+def _fewest_gpus(model, config, limit: int, work: Workload) -> int | None:
     """The fewest whole 8-GPU nodes (or 1) at which ZeRO-3's planned peak with
-    ``work`` fits ``limit``; the peak never grows with N, so a binary search."""
+    ``work`` fits ``limit`` (``config``'s precision, plain sharding); the peak never
+    grows with N, so a binary search."""
     counts = gpu_counts(8)
-    fits = lambda i: peak(model, recipe, work, counts[i], 3).bytes <= limit  # noqa: E731
+    zero3 = config.at_stage(3)
+    fits = lambda i: peak(model, ParallelDims(counts[i]), zero3,  # noqa: E731
+                          work).bytes <= limit
     if not fits(len(counts) - 1):
         return None
     lo, hi = 0, len(counts) - 1
@@ -140,25 +145,32 @@ def _fewest_gpus(model, recipe, limit: int, work: Workload) -> int | None:
     return counts[lo]
 
 
-def none_reason(model, recipe, gpus: int, cluster, limit: int, headroom: float, need: dict,
-                groups: dict, shard_group, seq_len: int, flash: bool,
-                offload_need: dict) -> str:
+def _zero3_need(need: dict, grouped: bool = False) -> int:
+    """The least ZeRO-3 (the stage that shards the weights too) needs in ``need`` (keys
+    (stage, tp, shard group)), in shard groups only with ``grouped``."""
+    return min((v for (s, _, g), v in need.items()
+                if ShardPolicy.for_stage(s).shards_params and (g or not grouped)), default=0)
+
+
+def none_reason(model, config, gpus: int, cluster, limit: int, headroom: float, need: dict,
+                groups: dict, seq_len: int, flash: bool, offload_need: dict) -> str:
     """Why nothing fits: what even ZeRO-3 with one sequence needs (on the device, and
     with offload when it was tried), and what would make it fit."""
+    shard_group = config.shard_group
     still = ""
     if offload_need:
-        least = min((v for (s, _, _), v in offload_need.items() if s == 3), default=0)
+        least = _zero3_need(offload_need)
         still = (f"; with the optimizer and the weight shards in host memory it still needs "
                  f"{gb(least)}")
     if any(groups.values()) and shard_group is not None:
-        least = min((v for (s, _, g), v in need.items() if s == 3 and g), default=0)
+        least = _zero3_need(need, grouped=True)
         return (f"nothing fits {gb(limit)} per GPU ({headroom:.0%} headroom) in shard "
                 f"groups of {_group_name(shard_group, cluster)}: even ZeRO-3 with "
                 f"checkpointing and one sequence needs {gb(least)}{still}, and more GPUs do "
                 "not lower it; a larger group does (or no group: plain sharding over every "
                 "rank)")
-    least = min((v for (s, _, _), v in need.items() if s == 3), default=0)
-    fewest = _fewest_gpus(model, recipe, limit, Workload(seq_len, seq_len, True, flash))
+    least = _zero3_need(need)
+    fewest = _fewest_gpus(model, config, limit, Workload(seq_len, seq_len, True, flash))
     return (f"nothing fits {gb(limit)} per GPU ({headroom:.0%} headroom) on {gpus} "
             f"GPUs: even ZeRO-3 with checkpointing and one sequence needs "
             f"{gb(least)}{still}; " + (
@@ -167,8 +179,8 @@ def none_reason(model, recipe, gpus: int, cluster, limit: int, headroom: float, 
             + (" (--headroom sets the share left free)" if headroom else ""))
 
 
-def offload_reason(b, device_need: dict, limit: int, model, recipe, gpus: int, cluster,
-                   asked: str | None, sub_group_size: int = SUB_GROUP_SIZE) -> str:
+def offload_reason(b, device_need: dict, limit: int, model, gpus: int, cluster,
+                   asked: str | None) -> str:
     """What offload costs (or that none is needed): host memory per GPU and per node, the
     bytes over PCIe per step and their seconds on the compute path, the host step; on
     disk, the bytes in files and the seconds the drive adds to the host step."""
@@ -180,21 +192,18 @@ def offload_reason(b, device_need: dict, limit: int, model, recipe, gpus: int, c
            f"is {gb(least)})")
     where = ("the master, the optimizer state and the weight shards" if b.offload == "params"
              else "the master and the optimizer state")
-    placed = peak(model, recipe, Workload(), gpus, b.stage, b.prefetch,
-                  b.blocks_per_unit, b.tp, shard_group=b.shard_group, offload=b.offload,
-                  offload_dir=b.offload_dir, sub_group_size=sub_group_size)
-    moved = pcie_bytes(model.params, gpus, recipe, b.stage, b.offload, b.tp, b.shard_group,
-                       b.accumulation)
+    config, dims = b.config, b.dims
+    placed = peak(model, dims, config, Workload(), b.blocks_per_unit)
+    moved = pcie_bytes(model.params, dims, config, b.accumulation)
     t, node = b.time, cluster.gpus_per_node
     cost = t.pcie + t.optimizer + t.disk_wait
     if b.offload_dir:
-        files = disk_io_bytes(model.params, gpus, recipe, b.stage, b.offload, b.tp,
-                              b.shard_group)["read"]
+        files = disk_io_bytes(model.params, dims, config)["read"]
         where = (f"{where} live in files (--offload-dir), {gb(files)} per GPU read and "
                  f"written each step: {t.disk:.3f} s of disk I/O at "
                  f"{cluster.host_side.disk_bandwidth / 1e9:g} GB/s, {t.disk_wait:.3f} s "
                  f"of it beyond the host step; host memory holds the fp32 gradients and "
-                 f"the step's sub-groups of {sub_group_size:,} elements")
+                 f"the step's sub-groups of {config.sub_group_size:,} elements")
         held = "at the step"
     else:
         where = f"{where} live in host memory"

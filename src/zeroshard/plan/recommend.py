@@ -18,22 +18,22 @@ ranking:
   "ZeRO-3 + offloading" for the largest models): if no configuration fits the device,
   the search runs again with the optimizer in host memory (stages 1-3), then with the
   weight shards there too (stage 3), and the ``offload`` reason says what it costs in
-  time: PCIe copies on the compute path and the host step. With ``offload_dir``
-  (``--offload-dir``) every offloaded configuration keeps the master and the states on
-  disk: the device's bytes are the same, so the same ones fit; the reason adds the disk
-  bytes and seconds of the streamed step.
+  time: PCIe copies on the compute path and the host step. With the optimizer placed
+  on disk (the configuration's ``offload_dir``, or ``recommend``'s for an offload it
+  falls back to; ``--offload-dir``) every offloaded configuration keeps the master and
+  the states on disk: the device's bytes are the same, so the same ones fit; the
+  reason adds the disk bytes and seconds of the streamed step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..spec.recipes import Recipe
-from . import reasons
+from ..spec.config import ZeroConfig
 from .arch import ModelSpec
+from .comm import uses_zeropp
 from .hardware import Cluster
-from .offload import SUB_GROUP_SIZE
-from .reasons import BLOCKS_PER_UNIT, PREFETCH, TIE
+from .reasons import BLOCKS_PER_UNIT, PREFETCH, TIE, none_reason, offload_reason, reasons
 from .search import HEADROOM, TP_DEGREES, Candidate, search, shard_groups
 
 __all__ = ["BLOCKS_PER_UNIT", "HEADROOM", "PREFETCH", "TIE", "TP_DEGREES", "Candidate",
@@ -89,39 +89,39 @@ def _runners_up(found: list[Candidate], best: Candidate, count: int) -> tuple:
     return tuple(rows)
 
 
-def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
+def recommend(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, cluster: Cluster,
               global_batch: int, seq_len: int, flash_attention: bool = False,
               tp: int | None = None, prefetch: int | None = None,
-              runners_up: int = 5, headroom: float = HEADROOM,
-              shard_group: int | str | None = None,
-              offload: str | None = None, allow_offload: bool = True,
-              offload_dir: bool = False,
-              sub_group_size: int = SUB_GROUP_SIZE) -> Recommendation:
+              runners_up: int = 5, headroom: float = HEADROOM, allow_offload: bool = True,
+              offload_dir=None) -> Recommendation:
     """The recommended configuration for ``global_batch`` sequences of ``seq_len``,
-    leaving ``headroom`` (a fraction) of each GPU's memory free; ``shard_group`` fixes
-    the hybrid shard group (``"node"``: a node's data-parallel ranks; None: plain and
-    groups of whole nodes are weighed); ``offload`` given: only configurations with it,
-    else (with no fixed group, and ``allow_offload``) with it only when nothing fits
-    without; ``offload_dir``: whatever is offloaded lives on disk, streamed in
-    sub-groups of ``sub_group_size`` elements."""
+    leaving ``headroom`` (a fraction) of each GPU's memory free. ``config`` gives the
+    precision, a fixed shard group (``shard_group``: K, or ``"node"``: a node's
+    data-parallel ranks; None: plain and groups of whole nodes are weighed) and an
+    offload (only configurations with it, where it goes); its stage and prefetch are
+    chosen. Without an offload in ``config`` (and with no fixed group, and
+    ``allow_offload``) one is tried only when nothing fits without, placed at
+    ``offload_dir`` (None: host memory; ``PLANNED_DISK`` or a folder: disk)."""
     for name, v in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom!r} must be a fraction in [0, 1)")
-    disk = dict(offload_dir=offload_dir, sub_group_size=sub_group_size)
-    found, need, tps, groups = search(model, recipe, gpus, budget, cluster, global_batch,
-                                      seq_len, flash_attention, tp, prefetch, headroom,
-                                      shard_group, offload, **disk)
+    if uses_zeropp(config):
+        raise NotImplementedError("recommend does not weigh hpZ or quantized collectives "
+                                  "yet; plan them with plan_all and step_times")
+    found, need, tps, groups = search(model, config, gpus, budget, cluster, global_batch,
+                                      seq_len, flash_attention, tp, prefetch, headroom)
     device_need, offload_need = need, {}
     # offload when nothing fits on the device; a fixed shard group is told that a larger
     # group (or plain sharding) fits instead
-    fallback = not found and offload is None and shard_group is None and allow_offload
+    fallback = (not found and config.offload is None and config.shard_group is None
+                and allow_offload)
     for more in ("optimizer", "params") if fallback else ():
-        found, offload_need, tps, groups = search(model, recipe, gpus, budget, cluster,
+        offloaded = replace(config, stage=3, offload=more, offload_dir=offload_dir)
+        found, offload_need, tps, groups = search(model, offloaded, gpus, budget, cluster,
                                                   global_batch, seq_len, flash_attention,
-                                                  tp, prefetch, headroom, shard_group, more,
-                                                  **disk)
+                                                  tp, prefetch, headroom)
         if found:  # stage 0 cannot offload: its need stays the device's
             need = {**device_need, **offload_need}
             break
@@ -131,12 +131,12 @@ def recommend(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster:
         raise ValueError(f"global batch of {global_batch} sequences does not divide over "
                          f"{' or '.join(map(str, dps))} data-parallel ranks")
     if not found:
-        why = reasons.none_reason(model, recipe, gpus, cluster, limit, headroom, need,
-                                  groups, shard_group, seq_len, flash_attention, offload_need)
+        why = none_reason(model, config, gpus, cluster, limit, headroom, need, groups,
+                          seq_len, flash_attention, offload_need)
         return Recommendation(None, {"none": why}, (), budget, headroom)
     best = choose(found)
-    why = reasons.reasons(best, found, need, tps, groups, cluster, limit, global_batch,
+    why = reasons(best, found, need, tps, groups, cluster, limit, global_batch,
                           seq_len, headroom)
-    why["offload"] = reasons.offload_reason(best, device_need, limit, model, recipe, gpus,
-                                            cluster, offload, sub_group_size)
+    why["offload"] = offload_reason(best, device_need, limit, model, gpus, cluster,
+                                    config.offload)
     return Recommendation(best, why, _runners_up(found, best, runners_up), budget, headroom)

@@ -60,7 +60,7 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
         if p.strategy not in shown:
             continue
         ratio = f"{p.comm / ddp_comm:.2f}x" if ddp_comm else "n/a"
-        took = p.zeropp is not None and p.zeropp.secondary_group is not None
+        took = p.secondary > 0  # the hpZ this strategy takes keeps secondary shards
         split = ([_fmt(p.comm_inside, unit)] if levels else []) + (
             [_fmt(p.comm_across, unit)] if k is not None else []) + (
             [_fmt(p.comm_secondary, unit) if took else "-"] if hpz else [])
@@ -92,18 +92,18 @@ def offload_lines(plans, moved, shown, gpus_per_node, unit, gib) -> None:
 
 
 def zeropp_line(z, plans, shown, unit, gib) -> None:
-    """ZeRO++: what each strategy took (the engine refuses the rest at its stage)."""
+    """ZeRO++ of the ``ZeroConfig`` ``z``: what each strategy took (``p.config``, its
+    stage's share; the engine refuses the rest at that stage)."""
     u = "GiB" if gib else "GB"
     parts = []
     for p in plans:
         if p.strategy not in shown:
             continue
-        took = p.zeropp
-        names = [] if took is None else (
-            ([f"hpZ in groups of {took.secondary_group} ({p.secondary / unit:.2f} {u} kept "
-              f"from forward to backward, {p.comm_secondary / unit:.2f} {u} of backward "
-              "gathers inside them)"] if p.secondary else [])
-            + (["qwZ"] if took.quantize_weights else [])
+        took = p.config
+        names = ([f"hpZ in groups of {took.secondary_group} ({p.secondary / unit:.2f} {u} "
+                  f"kept from forward to backward, {p.comm_secondary / unit:.2f} {u} of "
+                  "backward gathers inside them)"] if p.secondary else []) + (
+            (["qwZ"] if took.quantize_weights else [])
             + (["qgZ"] if took.quantize_grads else []))
         parts.append(f"{p.strategy} {', '.join(names) if names else 'none'}")
     block = (f"; int8 in blocks of {z.quant_block} with one fp32 scale each"
@@ -212,7 +212,8 @@ def time_table(times, plans, shown, args) -> None:
 def _config_row(c, best, unit) -> list[str]:
     return [c.strategy, str(c.tp), "all" if c.shard_group is None else str(c.shard_group),
             str(c.blocks_per_unit),
-            str(c.prefetch) if c.stage == 3 else "-", "on" if c.checkpointing else "off",
+            str(c.prefetch) if c.policy.shards_params else "-",
+            "on" if c.checkpointing else "off",
             f"{c.micro_batch} x {c.accumulation}", _fmt(c.memory, unit), f"{c.time.step:.3f}",
             f"{c.time.tokens_per_gpu:,.0f}", f"{c.time.exposed:.3f}",
             "best" if c is best else f"{(c.time.step / best.time.step - 1) * 100:+.1f}%"]
@@ -232,7 +233,7 @@ def recommendation(model, recipe, args, rec, unit, gib) -> None:
              f"{b.shard_group} ({b.dp // b.shard_group} replicas)")
     values = {"stage": b.strategy, "tp": str(b.tp), "shard group": group,
               "unit size": f"{b.blocks_per_unit} block(s)",
-              "prefetch": str(b.prefetch) if b.stage == 3 else "-",
+              "prefetch": str(b.prefetch) if b.policy.shards_params else "-",
               "checkpointing": "on" if b.checkpointing else "off",
               "micro-batch": f"{b.micro_batch} x {b.accumulation} steps",
               "offload": b.offload or "none"}

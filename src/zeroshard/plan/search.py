@@ -18,20 +18,26 @@ them.
   a node, replicate across nodes; FSDP2's HSDP, DeepSpeed's MiCS): stages 1–3 over
   groups of K data-parallel ranks that fill 1, 2, 4, … nodes, K a proper divisor of the
   ranks (stage 0 in groups holds what DDP holds and sends more: it is not tried);
-- **offload** (``plan/offload.py``) only where asked: the stages that take it, with it;
-  on disk (``offload_dir``) only where asked too: the same device peaks, the streamed
-  step's time.
+- **offload** (``plan/offload.py``) only where the configuration asks for it: the
+  stages that take it, with it; on disk (the policy's placement) only where asked too:
+  the same device peaks, the streamed step's time.
+
+The search reads one ``ZeroConfig`` for the precision, the offload and its placement,
+and a fixed shard group (``shard_group``: K, or ``"node"``); each candidate is that
+configuration at its stage, prefetch depth and shard group (``Candidate.config``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..spec.recipes import Recipe
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
+from ..spec.policy import ShardPolicy
 from .arch import ModelSpec
 from .hardware import Cluster
-from .memory import STRATEGIES, Workload, shard_degree
-from .offload import SUB_GROUP_SIZE
+from .layout import stages_taking
+from .memory import STRATEGIES, Workload
 from .peak import peak
 from .reasons import BLOCKS_PER_UNIT, PREFETCH
 from .steptime import Schedule, StepTime, step_time
@@ -72,10 +78,22 @@ class Candidate:
     """What lives in host memory (``plan/offload.py``), None: nothing."""
     offload_dir: bool = False
     """The offloaded master and optimizer state live in files (disk offload)."""
+    config: ZeroConfig | None = None
+    """The configuration it runs (stage, prefetch, shard group, offload, precision)."""
 
     @property
     def strategy(self) -> str:
         return STRATEGIES[self.stage]
+
+    @property
+    def policy(self) -> ShardPolicy:
+        """What its stage shards."""
+        return ShardPolicy.for_stage(self.stage)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """Its layout: ``dp · tp`` GPUs, the shard group."""
+        return ParallelDims(self.dp * self.tp, self.tp, self.shard_group)
 
     @property
     def group_gpus(self) -> int | None:
@@ -116,25 +134,16 @@ def shard_groups(gpus: int, tp: int, cluster: Cluster) -> list[int]:
     return out
 
 
-def _memory(model, recipe, gpus, tp, stage, work, blocks, prefetch, micro_batches=1,
-            shard_group=None, offload=None) -> int:
-    """The planned peak (``peak.peak``): the loss's backward with its logits' gradients,
-    each unit's backward with the reductions in flight, the step with its buffers."""
-    return peak(model, recipe, work, gpus, stage, prefetch, blocks, tp, micro_batches,
-                shard_group=shard_group, offload=offload).bytes
-
-
-def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cluster,
+def search(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, cluster: Cluster,
            global_batch: int, seq_len: int, flash_attention: bool = False,
-           tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM,
-           shard_group: int | str | None = None, offload: str | None = None,
-           offload_dir: bool = False, sub_group_size: int = SUB_GROUP_SIZE):
+           tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM):
     """(every fitting candidate, the smallest need per (stage, tp, shard group), the TP
-    degrees tried, the hybrid shard groups tried per TP degree). ``shard_group`` given:
-    that group only, at the TP degrees whose data-parallel ranks it divides (all the
-    ranks: plain only; ``"node"``: a node's data-parallel ranks at each degree); None:
-    plain and :func:`shard_groups`. ``offload``: only the stages that take it, with it
-    (``offload_dir``: on disk, in sub-groups of ``sub_group_size``)."""
+    degrees tried, the hybrid shard groups tried per TP degree). ``config``: the
+    precision, the offload and where (only the stages that take it are tried), and
+    ``shard_group``: None weighs plain sharding and :func:`shard_groups`; K that group
+    only, at the TP degrees whose data-parallel ranks it divides (all the ranks: plain
+    only); ``"node"`` a node's data-parallel ranks at each degree. Its stage and
+    prefetch are what the search varies (``prefetch`` given: that depth only)."""
     if model.hidden is None or model.layers is None:
         raise ValueError("--recommend needs the model's shape: give --hidden and --layers "
                          "(or a preset)")
@@ -144,9 +153,10 @@ def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cl
         tps = [k for k in TP_DEGREES if k <= cluster.gpus_per_node and gpus % k == 0
                and (model.heads is None or model.heads % k == 0)]
     limit = int(budget * (1 - headroom))
+    shard_group = config.shard_group
     if isinstance(shard_group, int) and not any(
             gpus % k == 0 and (gpus // k) % shard_group == 0 for k in tps):
-        shard_degree(gpus, tps[0], shard_group)  # names the ranks it does not divide
+        ParallelDims(gpus, tps[0], shard_group)  # names the ranks it does not divide
     found, need, groups = [], {}, {}
     for k in tps:
         dp = gpus // k
@@ -160,43 +170,42 @@ def search(model: ModelSpec, recipe: Recipe, gpus: int, budget: int, cluster: Cl
         elif fixed < dp:
             groups[k] = [fixed]
         per_rank = global_batch // dp
-        for stage in {None: range(4), "optimizer": (1, 2, 3), "params": (3,)}[offload]:
-            hybrid = groups.get(k, []) if stage else []
+        for staged in stages_taking(replace(config, shard_group=None)):
+            hybrid = groups.get(k, []) if staged.policy.shards_anything else []
             plain = [None] if fixed is None or fixed == dp else []
             for group in plain + hybrid:
-                found += _fits(model, recipe, gpus, cluster, k, stage, group, per_rank,
-                               seq_len, flash_attention, prefetch, limit, need, offload,
-                               bool(offload and offload_dir), sub_group_size)
+                found += _fits(model, staged, gpus, cluster, k, group, per_rank, seq_len,
+                               flash_attention, prefetch, limit, need)
     return found, need, tps, groups
 
 
-def _fits(model, recipe, gpus, cluster, tp, stage, group, per_rank, seq_len, flash,
-          prefetch, limit, need, offload=None, offload_dir=False,
-          sub_group_size=SUB_GROUP_SIZE) -> list[Candidate]:
+def _fits(model, config, gpus, cluster, tp, group, per_rank, seq_len, flash, prefetch,
+          limit, need) -> list[Candidate]:
     """The candidates of one (tp, stage, shard group): per checkpointing, unit size and
-    depth, the largest micro-batch whose peak fits ``limit``; ``need`` keeps the least
-    any of them needs."""
+    depth, the largest micro-batch whose planned peak (``peak.peak``: the loss's
+    backward with its logits' gradients, each unit's backward with the reductions in
+    flight, the step with its buffers) fits ``limit``; ``need`` keeps the least any of
+    them needs."""
     out = []
-    depths = (PREFETCH if prefetch is None else (prefetch,)) if stage == 3 else (0,)
+    policy = config.policy
+    depths = (PREFETCH if prefetch is None else (prefetch,)) if policy.shards_params else (0,)
+    dims = ParallelDims(gpus, tp, group)
     for ckpt in (False, True):
         for blocks in BLOCKS_PER_UNIT:
             if blocks > model.layers:
                 continue
             for depth in depths:
+                at = replace(config, prefetch=depth, shard_group=group)
                 for micro in _divisors_desc(per_rank):
                     work = Workload(micro * seq_len, seq_len, ckpt, flash)
                     acc = per_rank // micro
-                    mem = _memory(model, recipe, gpus, tp, stage, work, blocks, depth, acc,
-                                  group, offload)
-                    key = (stage, tp, group)
+                    mem = peak(model, dims, at, work, blocks, acc).bytes
+                    key = (config.stage, tp, group)
                     need[key] = min(need.get(key, mem), mem)
                     if mem <= limit:
-                        sched = Schedule(stage, blocks, depth, acc, tp, group, offload,
-                                         offload_dir=offload_dir,
-                                         sub_group_size=sub_group_size)
                         out.append(Candidate(
-                            stage, tp, blocks, depth, ckpt, micro, acc, mem,
-                            step_time(model, recipe, work, gpus, cluster, sched), group,
-                            gpus // tp, offload, offload_dir))
+                            config.stage, tp, blocks, depth, ckpt, micro, acc, mem,
+                            step_time(model, dims, at, work, cluster, Schedule(blocks, acc)),
+                            group, gpus // tp, config.offload, policy.optimizer_on_disk, at))
                         break
     return out

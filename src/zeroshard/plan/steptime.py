@@ -33,7 +33,7 @@ order; the compute stream waits on them only where the engine waits:
   exposed;
 - the optimizer streams its shard's ``2·(optimizer + weights) + grads`` bytes per
   owned parameter once at the memory rate;
-- disk offload (``Schedule.offload_dir``): the host step streams the master and the
+- disk offload (the policy places the optimizer on disk): the host step streams the master and the
   moments through sub-groups while two threads read the next and write the last,
   ``(m + S)`` bytes an owned element each way at the host's ``disk_bandwidth``;
   the step takes ``offload.streamed_step``'s seconds (each sub-group the slower of its
@@ -44,7 +44,7 @@ order; the compute stream waits on them only where the engine waits:
   at the memory rate on the compute stream where the engine makes them (it has no copy
   streams).
 
-**Hybrid sharding** (``Schedule.shard_group`` K): the stage's gathers and reductions run
+**Hybrid sharding** (``ParallelDims.shard`` K): the stage's gathers and reductions run
 over the K ranks of a shard group, on the link of its K·tp consecutive GPUs (NVLink when
 K·tp is a node or less); each reduction, once waited, is followed by the all-reduce of
 the reduced slot (stage 0: the whole buffer) over the R = dp / K replicas, on the link
@@ -53,7 +53,7 @@ issues that all-reduce when it waits for the reduction, and waits for it at once
 (``runtime/comm/collectives.py``, ``_across``): it is on the compute stream, never hidden,
 and the two levels are separate channels.
 
-**Offload** (``Schedule.offload``; ``plan/offload.py``): every landing copies the reduced
+**Offload** (``ZeroConfig.offload``; ``plan/offload.py``): every landing copies the reduced
 slot down to the host in the master dtype, and with ``params`` every gather first copies
 the rank's shard up, on the compute stream where the engine makes them (``Tensor.to``
 with ``non_blocking``: ordered on the stream, never hidden), at the host link's rate
@@ -62,7 +62,7 @@ node's host memory bandwidth shared by its GPUs, then the updated shard goes up 
 1-2 as each all-gather's input, stage 3 into the device shard; with ``params`` it stays
 on the host). ``StepTime.pcie`` is those copies' seconds.
 
-**ZeRO++** (``Schedule.zeropp``; ``plan/comm.py``): with hpZ each backward gather runs
+**ZeRO++** (``ZeroConfig``'s hpZ, qwZ and qgZ; ``plan/comm.py``): with hpZ each backward gather runs
 over the K2 ranks of a secondary group, on the link of K2·tp consecutive GPUs (NVLink
 when they share a node), its K slots' ``K·n·w`` bytes; qwZ's gathers and qgZ's
 reduction carry ``K·quantized_nbytes(n)`` bytes instead (qgZ an all-to-all: the ring
@@ -81,22 +81,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..spec.recipes import Recipe
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
 from .arch import ModelSpec
 from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
 from .hardware import Cluster, Link
-from .memory import STRATEGIES, Workload, ZeroPP, dp_degree, shard_degree
-from .offload import (
-    SUB_GROUP_SIZE,
-    check_offload,
-    check_offload_dir,
-    disk_seconds,
-    host_step_bytes,
-    master_bytes,
-    offload_at,
-    sub_group_buffers,
-)
+from .layout import check_layout, secondary
+from .memory import STRATEGIES
+from .offload import disk_seconds, host_step_bytes, master_bytes
 from .simulate import _land, _Link, _pass, _sync
+from .workload import Workload
 
 #: Micro-batches simulated before the steady-state increment is repeated.
 SIMULATED = 3
@@ -122,48 +116,19 @@ def train_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -
 
 @dataclass(frozen=True)
 class Schedule:
-    """How one optimizer step runs: the engine's knobs and the accumulation."""
+    """How one optimizer step runs beyond what ``ZeroConfig`` says: the unit size the
+    planner assumes and the accumulation."""
 
-    stage: int
-    """ZeRO stage 0-3."""
     blocks_per_unit: int = 1
     """Transformer blocks per unit (one all-gather and one reduction each)."""
-    prefetch: int = 1
-    """Stage 3: units whose gathers are issued ahead (``ZeroConfig.prefetch``)."""
     micro_batches: int = 1
     """Forward/backward passes per optimizer step (gradient accumulation steps)."""
-    tp: int = 1
-    """Tensor-parallel degree; the data-parallel degree is gpus / tp."""
-    shard_group: int | None = None
-    """Hybrid sharding: the stage shards over groups of K data-parallel ranks and
-    replicates across the groups (None: over all of them)."""
-    offload: str | None = None
-    """``"optimizer"`` (stages 1-3) or ``"params"`` (stage 3): the engine's offload."""
-    zeropp: ZeroPP | None = None
-    """ZeRO++: hpZ's secondary group, qwZ and qgZ (refused where the stage cannot take
-    them, as the engine does)."""
-    offload_dir: bool = False
-    """Disk offload (with ``offload``): the master and the states in files, streamed
-    through the host in sub-groups (the engine's ``offload_dir``)."""
-    sub_group_size: int = SUB_GROUP_SIZE
-    """Disk offload: elements stepped at once (the engine's ``sub_group_size``)."""
 
     def __post_init__(self) -> None:
-        check_offload(self.offload, self.stage)
-        check_offload_dir(self.offload_dir, self.offload)
-        sub_group_buffers(0, 0, self.sub_group_size)  # names a bad sub_group_size
-        if self.zeropp is not None:
-            self.zeropp.check(self.stage)
-        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
-            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; expected 0-3")
-        for name, least in (("blocks_per_unit", 1), ("prefetch", 0), ("micro_batches", 1),
-                            ("tp", 1)):
+        for name in ("blocks_per_unit", "micro_batches"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"{name}={v!r} must be an integer >= {least}")
-        k = self.shard_group
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"shard_group={k!r} must be an integer >= 1 (None: all ranks)")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -212,16 +177,17 @@ class StepTime:
                                               "secondary", "disk", "disk_wait")}
 
 
-def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
-              schedule: Schedule) -> StepTime:
-    """Predicted step time of ``schedule`` on ``gpus`` GPUs of ``cluster``, each running
-    micro-batches of ``work.tokens`` tokens (sequences of ``work.seq_len``)."""
+def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workload,
+              cluster: Cluster, schedule: Schedule = Schedule()) -> StepTime:
+    """Predicted step time of ``config`` on the layout ``dims`` of ``cluster``'s GPUs,
+    each running micro-batches of ``work.tokens`` tokens (sequences of
+    ``work.seq_len``), units and accumulation as ``schedule`` says."""
     if model.hidden is None or model.layers is None:
         raise ValueError("the step-time model needs the model's shape: give --hidden and "
                          "--layers (or a preset)")
-    tp, stage = schedule.tp, schedule.stage
-    dp = shard_degree(gpus, tp, schedule.shard_group)  # K: the ranks the stage shards over
-    replicas = dp_degree(gpus, tp) // dp
+    check_layout(dims, config)
+    policy, recipe = config.policy, config.recipe
+    tp, dp, replicas = dims.tp, dims.shard_size, dims.replicas  # dp: the stage's K ranks
     acc = cluster.accelerator
     bw = acc.memory_bandwidth
     rate = acc.peak_flops * acc.efficiency
@@ -241,39 +207,39 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     link = cluster.link(dp * tp)  # the shard group's K·tp consecutive GPUs
     unit_params = model.params / tp / units
     gloo = cluster.network.gloo
-    off = schedule.offload
-    z = schedule.zeropp or ZeroPP()
-    z.check(stage, recipe)
-    k2 = z.secondary(dp)
-    cost = copy_bytes(recipe, stage, unit_params, dp, gloo, off, z)  # memory rate, on compute
+    off = policy.offloads_optimizer
+    params_on_host = policy.where("params") == "host"
+    k2 = secondary(dims, config)
+    cost = copy_bytes(config, dims, unit_params, gloo)  # memory rate, on compute
     # qwZ, qgZ: K slots of int8 and one fp32 scale per block (a unit's slot n = Q/K)
-    quantized = dp * (unit_params / dp + 4 * -(-unit_params / dp // z.quant_block))
+    quantized = dp * (unit_params / dp + 4 * -(-unit_params / dp // config.quant_block))
     # offload: a unit's owned slot over the host link (plan/offload.py), per copy
     pcie_bw = cluster.host_side.pcie.bandwidth
-    down = unit_params / dp * master_bytes(recipe, off) / pcie_bw if off else 0.0
+    down = unit_params / dp * master_bytes(recipe, True) / pcie_bw if off else 0.0
     shard_up = unit_params / dp * recipe.weight_bytes / pcie_bw if off else 0.0
-    upload = shard_up if off == "params" else 0.0  # before every gather
-    back = shard_up if off == "optimizer" else 0.0  # after the host step
-    gather = ring_time("all_gather", quantized if z.quantize_weights else
+    upload = shard_up if params_on_host else 0.0  # before every gather
+    back = shard_up if off and not params_on_host else 0.0  # after the host step
+    gather = ring_time("all_gather", quantized if config.quantize_weights else
                        unit_params * recipe.weight_bytes, dp, link)
     # hpZ: the backward's over the K2 ranks of a secondary group, unquantized
     gather_back = gather if k2 is None else ring_time(
         "all_gather", unit_params * recipe.weight_bytes, k2, cluster.link(k2 * tp))
-    if z.quantize_grads:  # an all-to-all on every backend
+    scatters = policy.reduce == "reduce_scatter"
+    if config.quantize_grads:  # an all-to-all on every backend
         reduce = ring_time("reduce_scatter", quantized, dp, link)
-    else:
-        reduce = ring_time("all_reduce" if stage == 0 or gloo else "reduce_scatter",
+    else:  # gloo has no reduce-scatter: the engine all-reduces there
+        reduce = ring_time("reduce_scatter" if scatters and not gloo else "all_reduce",
                            unit_params * recipe.reduce_bytes, dp, link)
     # hybrid sharding: the reduced slot (stage 0: the whole buffer) over the R replicas
-    across = ring_time("all_reduce", unit_params * recipe.reduce_bytes / (dp if stage else 1),
+    across = ring_time("all_reduce", unit_params * recipe.reduce_bytes / (dp if scatters else 1),
                        replicas, cluster.link(replicas, stride=dp * tp))
-    g = gather if stage == 3 else None
-    g_back = gather_back if stage == 3 else None
-    pf = schedule.prefetch
+    g = gather if policy.shards_params else None
+    g_back = gather_back if policy.shards_params else None
+    pf = config.prefetch
 
     # Reducer._flush (runtime/schedule/backward.py): two reductions in flight at most,
     # except at stage 0 when it reduces in the gradients' own dtype
-    bounded = stage > 0 or recipe.reduce_bytes > recipe.grad_bytes
+    bounded = policy.bounds_reductions(recipe.grad_bytes, recipe.reduce_bytes)
     line = _Link()
     t, flying, ends = 0.0, [], []
     unpack, unpack_back, pack = cost.gather / bw, cost.gather_back / bw, cost.pack / bw
@@ -287,55 +253,42 @@ def step_time(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, clust
     shift = extra * (ends[-1] - ends[-2]) if extra > 0 else 0.0
     t += shift
 
-    owned_params = model.params / tp / (dp if stage >= 1 else 1)
+    owned_params = model.params / tp / (dp if policy.shards_optimizer else 1)
     disk = disk_wait = 0.0
     if off:  # the host step, the node's host memory shared by its GPUs
-        per_element = host_step_bytes(recipe, off) / cluster.host_bandwidth()
+        per_element = host_step_bytes(recipe) / cluster.host_bandwidth()
         optimizer = owned_params * per_element
-        if schedule.offload_dir:  # master and moments through the drive, each way
-            disk, disk_wait = disk_seconds(model.params, gpus, recipe, stage, off, tp,
-                                           schedule.shard_group, schedule.sub_group_size,
-                                           per_element, cluster.host_side.disk_bandwidth)
+        if policy.optimizer_on_disk:  # master and moments through the drive, each way
+            disk, disk_wait = disk_seconds(model.params, dims, config, per_element,
+                                           cluster.host_side.disk_bandwidth)
     else:
         streamed = 2 * (recipe.optimizer_bytes + recipe.weight_bytes) + recipe.grad_bytes
         optimizer = owned_params * streamed / bw
     # gradient casts before, master casts after
     t += optimizer + disk_wait + units * cost.step / bw
-    post = units * gather if stage in (1, 2) else 0.0
-    if stage in (1, 2):  # offloaded, each all-gather's input comes up from the host
+    post = units * gather if policy.gathers_after_step else 0.0
+    if policy.gathers_after_step:  # offloaded, each all-gather's input comes up from the host
         t = _sync(t, line, units, gather, cost.sync_input / bw + back, cost.sync_unpack / bw)
-    elif stage == 3:
+    else:
         t += units * back  # the updated shards up into the device's weight shards
     a = schedule.micro_batches
     compute = a * (1 + 2 + recompute) * fwd
     tp_comm = a * model.layers * (4 + 2 * ckpt) * tp_ar
     copies = cost.per_step(units, a) / bw
-    gathers = units * (gather + gather_back) if stage == 3 else 0.0
+    gathers = units * (gather + gather_back) if policy.shards_params else 0.0
     comm = a * (gathers + units * (reduce + across)) + post
     pcie = units * (a * (down + 2 * upload) + back)
     if not cluster.network.overlap:
         t = compute + tp_comm + optimizer + disk_wait + copies + comm + pcie
-    return StepTime(STRATEGIES[stage], t, compute, tp_comm, optimizer, copies, comm,
+    return StepTime(STRATEGIES[config.stage], t, compute, tp_comm, optimizer, copies, comm,
                     max(0.0, t - compute - tp_comm - optimizer - disk_wait - copies - pcie),
                     work.tokens * a / tp / t, a * units * across, pcie,
-                    a * units * gather_back if k2 is not None and stage == 3 else 0.0,
-                    disk, disk_wait)
+                    a * units * gather_back if k2 is not None else 0.0, disk, disk_wait)
 
 
-def step_times(model: ModelSpec, recipe: Recipe, work: Workload, gpus: int, cluster: Cluster,
-               blocks_per_unit: int = 1, prefetch: int = 1, micro_batches: int = 1,
-               tp: int = 1, shard_group: int | None = None,
-               offload: str | None = None, zeropp: ZeroPP | None = None,
-               offload_dir: bool = False,
-               sub_group_size: int = SUB_GROUP_SIZE) -> list[StepTime]:
-    """One :class:`StepTime` per strategy, DDP first; ``offload`` and ``zeropp`` as far
-    as each strategy takes them (``offload.offload_at``, ``ZeroPP.at``), ``offload_dir``
-    where ``offload`` is taken."""
-    check_offload_dir(offload_dir, offload)
-    out = []
-    for s in range(4):
-        off = offload_at(s, offload)
-        out.append(step_time(model, recipe, work, gpus, cluster, Schedule(
-            s, blocks_per_unit, prefetch, micro_batches, tp, shard_group, off,
-            zeropp and zeropp.at(s), bool(off and offload_dir), sub_group_size)))
-    return out
+def step_times(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workload,
+               cluster: Cluster, schedule: Schedule = Schedule()) -> list[StepTime]:
+    """One :class:`StepTime` per strategy, DDP first, each at the most of ``config``'s
+    options its stage takes (``ZeroConfig.at_stage``)."""
+    return [step_time(model, dims, config.at_stage(s), work, cluster, schedule)
+            for s in range(len(STRATEGIES))]

@@ -4,7 +4,9 @@
 torch: the planner (pure Python) and the engine (torch) both build on it, so the bytes
 the planner predicts and the tensors the engine allocates come from one definition.
 
-- ``config``: :class:`ZeroConfig`, every stage × option rule checked once, one message each;
+- ``config``: :class:`ZeroConfig`, every stage × option rule checked once, one message each
+  (``ZeroConfig.at_stage``: the most of it another stage takes; ``PLANNED_DISK``: a disk
+  placement without a folder, for plans);
 - ``policy``: :class:`ShardPolicy`, what a stage means (the engine's and the planner's only
   judge of a stage number);
 - ``recipes``: precision recipes, bytes per parameter per category;

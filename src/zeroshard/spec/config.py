@@ -6,7 +6,7 @@ engine and the planner both meet it through ``ZeroConfig``."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,13 @@ from .deepspeed import DEEPSPEED_KEYS, is_deepspeed, translate  # noqa: F401 (re
 from .formulas import QUANT_BLOCK, SUB_GROUP_SIZE
 from .policy import ShardPolicy
 from .recipes import RECIPES, Recipe, get_recipe
-from .rules import OFFLOADS, check_disk, check_stage_options
+from .rules import (  # noqa: F401 (PLANNED_DISK re-exported)
+    OFFLOADS,
+    PLANNED_DISK,
+    check_disk,
+    check_stage_options,
+    most_at,
+)
 
 #: What the optimizer step does with non-finite gradients (``ZeroConfig.nonfinite``): stop
 #: every rank with one error, skip the step on every rank (weights and optimizer state
@@ -37,7 +43,10 @@ class ZeroConfig:
     "bf16": bf16 compute weights and gradients, fp32 master and optimizer state
     (2/2/12). "fp16": the same in fp16, which needs dynamic loss scaling
     (``zs.GradScaler``: without one the first step is an error). A recipe name from
-    ``zeroshard.plan.RECIPES`` is also accepted."""
+    ``zeroshard.plan.RECIPES`` is also accepted, and a :class:`Recipe` itself, taken as
+    it is, its ``reduce_dtype`` included (None: the gradients' dtype) unless
+    ``reduce_dtype`` is given: the planner's recipes travel so, custom ``W/G/O`` bytes
+    included (which describe no dtypes to allocate)."""
     reduce_dtype: str | None = None
     """Dtype gradients are summed in across ranks; None: fp32 under mixed precision
     (one rounding into the stored dtype instead of one per rank), else the gradient
@@ -153,15 +162,20 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
-        name = _PRECISION.get(self.mixed_precision, self.mixed_precision)
-        if name not in RECIPES:
+        given = isinstance(self.mixed_precision, Recipe)
+        name = self.mixed_precision if given else _PRECISION.get(self.mixed_precision,
+                                                                  self.mixed_precision)
+        if not given and name not in RECIPES:
             raise ValueError(
                 f"mixed_precision={self.mixed_precision!r} is not supported; expected None, "
                 f"'fp32', 'bf16' or a recipe name ({', '.join(RECIPES)})")
         recipe = get_recipe(name)
+        # a Recipe's own reduce dtype counts as asked for (the qgZ rule below)
+        asked = self.reduce_dtype or (recipe.reduce_dtype if given else None)
         reduce = self.reduce_dtype
         if reduce is None:
-            reduce = "fp32" if recipe.master_dtype else recipe.grad_dtype
+            reduce = recipe.reduce_dtype if given else (
+                "fp32" if recipe.master_dtype else recipe.grad_dtype)
         for name in ("profile", "sync_module_states", "broadcast_buffers",
                      "check_collectives"):
             if not isinstance(getattr(self, name), bool):
@@ -198,13 +212,13 @@ class ZeroConfig:
                              "'params'")
         check_stage_options(self.stage, secondary_group=k2,
                             quantize_weights=self.quantize_weights,
-                            quantize_grads=self.quantize_grads, reduce_dtype=self.reduce_dtype,
+                            quantize_grads=self.quantize_grads, reduce_dtype=asked,
                             offload=self.offload)
         check_disk(self)
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}")
-        if reduce not in ("fp32", "bf16"):
+        if reduce not in ("fp32", "bf16") and not (given and reduce == recipe.reduce_dtype):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}; expected 'fp32' or 'bf16'")
         object.__setattr__(self, "recipe", recipe.with_reduce_dtype(reduce))
 
@@ -213,6 +227,13 @@ class ZeroConfig:
         """What this configuration's stage means, with its placements
         (:meth:`ShardPolicy.from_config`)."""
         return ShardPolicy.from_config(self)
+
+    def at_stage(self, stage: int) -> ZeroConfig:
+        """This configuration at ``stage`` with the most of its options that stage takes
+        (``rules.most_at``): hpZ and qwZ only at stage 3, qgZ at stages 1-3, offload at
+        stages 1-3 and the weight shards' at stage 3 only (the optimizer's below it),
+        the disk with the offload. The planner shows every stage of a table so."""
+        return replace(self, **most_at(stage, self))
 
     @classmethod
     def from_dict(cls, d: dict) -> ZeroConfig:

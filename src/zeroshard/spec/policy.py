@@ -136,6 +136,12 @@ class ShardPolicy:
         """The master and optimizer state live in files; the step streams them."""
         return self.where("optimizer") == "disk"
 
+    @property
+    def shards_anything(self) -> bool:
+        """Some category is sharded: a shard group smaller than the data-parallel ranks
+        changes something (stage 0 in groups holds what DDP holds and sends more)."""
+        return bool(self.sharded)
+
     # -- gradients ------------------------------------------------------------------
     @property
     def full_grads(self) -> FullGrads:
@@ -153,6 +159,20 @@ class ShardPolicy:
     def keeps_full_grads(self) -> bool:
         """Full gradients live from backward to the step (and count as ``grads``)."""
         return self.full_grads is not FullGrads.FREED
+
+    @property
+    def keeps_local_grads(self) -> bool:
+        """Stage 1: the full gradients hold this rank's local sum and stay to the step,
+        added to by every backward of the cycle; each synchronised backward reduces
+        them again into a slot of its own rows beside them (the slot replaced, not
+        added to)."""
+        return self.full_grads is FullGrads.LOCAL
+
+    @property
+    def averages_grads(self) -> bool:
+        """Stage 0: the reduction's average comes back into the full gradients (an
+        all-reduce, no slot of this rank's own)."""
+        return self.full_grads is FullGrads.AVERAGED
 
     @property
     def frees_grads_when_packed(self) -> bool:
@@ -175,6 +195,22 @@ class ShardPolicy:
                 else AfterStep.CAST)
 
     @property
+    def gathers_after_step(self) -> bool:
+        """Stages 1-2: every rank's updated rows are all-gathered into the full weights
+        after the step (one gather of the weights a step, none in forward or backward)."""
+        return self.after_step is AfterStep.ALL_GATHER
+
+    @property
     def checks_elementwise(self) -> bool:
         """The optimizer must update each element alone: it steps slices."""
         return self.shards_optimizer
+
+    def as_dict(self) -> dict:
+        """The answers as plain data (the planner's page reads them instead of comparing
+        stage numbers): what is sharded, the reduction, what the full gradients hold,
+        what follows the step, where each category lives."""
+        return {"stage": self.stage,
+                "shards": {c: c in self.sharded for c in SHARDABLE},
+                "reduce": self.reduce, "full_grads": self.full_grads.value,
+                "keeps_full_grads": self.keeps_full_grads,
+                "after_step": self.after_step.value, "placement": dict(self.placement)}

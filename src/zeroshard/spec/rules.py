@@ -4,6 +4,7 @@ once, in one message, for ``ZeroConfig`` (and so for the engine and the planner 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from .policy import ShardPolicy
@@ -43,6 +44,48 @@ def check_stage_options(stage: int, *, secondary_group: int | None = None,
                          "offload='optimizer'")
 
 
+def most_at(stage: int, config) -> dict:
+    """The fields of ``config`` that change at ``stage`` when it keeps the most of its
+    options that ``stage`` takes: each rule of :func:`check_stage_options` read the other
+    way (hpZ and qwZ at stage 3, qgZ where gradients are reduce-scattered, offload where
+    the optimizer state is sharded, the weight shards' only where weights are; disk
+    placement with the offload). The planner's table shows every stage of one
+    configuration so."""
+    policy = ShardPolicy.for_stage(stage)
+    offload = config.offload if policy.shards_optimizer else None
+    if offload == "params" and not policy.shards_params:
+        offload = "optimizer"
+    return {"stage": stage,
+            "secondary_group": config.secondary_group if policy.shards_params else None,
+            "quantize_weights": config.quantize_weights and policy.shards_params,
+            "quantize_grads": config.quantize_grads and policy.reduce == "reduce_scatter",
+            "offload": offload, "offload_dir": config.offload_dir if offload else None}
+
+
+@dataclass(frozen=True)
+class PlannedDisk:
+    """``offload_dir`` for a plan: the offloaded optimizer state on disk, in a folder not
+    chosen (:data:`PLANNED_DISK`).
+
+    The planner asks where each category lives (``ShardPolicy.placement``: ``"disk"``),
+    never which folder, so ``zeroshard plan --offload-dir`` — a yes/no flag — builds its
+    ``ZeroConfig`` with this marker: the disk placement without a real folder, and no
+    file system touched. The engine makes files under ``offload_dir`` and needs a real
+    one: as a path the marker is a ValueError saying so (``os.fspath``, which every file
+    call takes its folder through)."""
+
+    def __repr__(self) -> str:
+        return "PLANNED_DISK"
+
+    def __fspath__(self) -> str:
+        raise ValueError("offload_dir=PLANNED_DISK plans disk offload without a folder; "
+                         "to run it, give offload_dir an existing writable directory")
+
+
+#: The disk placement of a plan (:class:`PlannedDisk`).
+PLANNED_DISK = PlannedDisk()
+
+
 def check_disk(config) -> None:
     """``offload_dir`` and ``sub_group_size``: one line naming what cannot be used."""
     n = config.sub_group_size
@@ -52,11 +95,16 @@ def check_disk(config) -> None:
     where = config.offload_dir
     if where is None:
         return
-    if not isinstance(where, (str, Path)) or not str(where):
-        raise ValueError(f"offload_dir={where!r}; expected the path of a writable directory")
+    planned = isinstance(where, PlannedDisk)
+    if not planned and (not isinstance(where, (str, Path)) or not str(where)):
+        raise ValueError(f"offload_dir={where!r}; expected the path of a writable directory "
+                         "(or PLANNED_DISK for a plan)")
     if not config.offload:
-        raise ValueError(f"offload_dir={str(where)!r} keeps the offloaded optimizer state on "
+        shown = repr(where) if planned else repr(str(where))
+        raise ValueError(f"offload_dir={shown} keeps the offloaded optimizer state on "
                          "disk, but offload=None: set offload='optimizer' (or 'params')")
+    if planned:
+        return
     path = Path(where)
     if not path.exists():
         raise ValueError(f"offload_dir={str(where)!r} does not exist; expected an existing "

@@ -10,7 +10,15 @@ from pathlib import Path
 import torch
 
 from .. import shard
+from ..plan.arch import Architecture
 from .config import TrainConfig
+
+
+def gpt_architecture(c) -> Architecture:
+    """The built-in GPT of ``GPTConfig`` ``c`` as the planner describes models."""
+    return Architecture("gpt", c.hidden, c.layers, c.heads, 4 * c.hidden, c.vocab, tied=True,
+                        max_positions=c.block_size, gated_mlp=False, norm_bias=True,
+                        linear_bias=True, family="gpt")
 
 
 def _zeros(module: torch.nn.Module) -> None:
@@ -25,6 +33,8 @@ class BuiltinGPT:
     """The built-in GPT preset ``cfg.model``, byte-level, on the built-in corpus."""
 
     vocab = 256
+    loss_outside = False
+    """The loss is computed inside the model's forward (``GPT.forward`` given targets)."""
 
     def __init__(self, cfg: TrainConfig):
         from ..models.gpt import get_preset
@@ -66,16 +76,18 @@ class BuiltinGPT:
                             forward=model)
         return decode(text[0].tolist())
 
-    def architecture(self):
+    def architecture(self) -> Architecture:
         """The planner's description of the model (``zeroshard train --profile``)."""
-        from .profile import gpt_architecture
-
         return gpt_architecture(self.gpt_cfg)
 
 
 class HFCausalLM:
     """A Hugging Face causal LM from ``cfg.hf_model``: built on the meta device, each
     rank reading the rows it keeps from the safetensors, unit by unit."""
+
+    loss_outside = True
+    """The loss is a cross-entropy on the logits the model returns (``models/hf.lm_loss``),
+    computed after the model's forward."""
 
     def __init__(self, cfg: TrainConfig):
         from ..models.hf import describe

@@ -18,7 +18,7 @@ from .config import TrainConfig
 from .datasource import open_source
 from .hfmodel import model_source
 from .profile import profile_report
-from .report import Reporter
+from .report import Reporter, layout
 from .resume import checkpoint_to_resume, resume
 from .run import Run
 from .save import save, save_due
@@ -124,8 +124,7 @@ def finish(run: Run) -> dict:
         profile_report(model, cfg, run.source, run.micro, run.seq_len, run.rank, run.out)
     memories = [None] * run.world
     dist.all_gather_object(memories, run.held[0] if run.held else model.memory(run.optimizer))
-    run.out.summary(memories, run.comm, model.zero_config.recipe, model.mesh.shard_world,
-                    run.unit_params)
+    run.out.summary(memories, run.comm, model.zero_config, layout(model), run.unit_params)
     if cfg.sample_chars:
         model.eval()
         run.out.sample(run.source.sample(model, run.device))

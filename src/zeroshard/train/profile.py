@@ -1,4 +1,8 @@
-"""``zeroshard train --profile``: the trace, the chart, the peak, and the plan beside it."""
+"""``zeroshard train --profile``: the trace, the chart, the peak, and the plan beside it.
+
+The plan is the planner's peak (``plan/peak.py``) for the very configuration the engine
+runs (``model.zero_config``) on its own layout (``report.layout``), and its categories
+count what the ledger's count: every placement (offload's host and disk included)."""
 
 from __future__ import annotations
 
@@ -8,47 +12,41 @@ import torch.distributed as dist
 
 from ..observe.trace import chrome_trace, lifetime_chart
 from ..plan.arch import Architecture, ModelSpec
-from ..plan.memory import Workload
 from ..plan.peak import peak
-
-
-def gpt_architecture(c) -> Architecture:
-    """The built-in GPT of ``GPTConfig`` ``c`` as the planner describes models."""
-    return Architecture("gpt", c.hidden, c.layers, c.heads, 4 * c.hidden, c.vocab, tied=True,
-                        max_positions=c.block_size, gated_mlp=False, norm_bias=True,
-                        linear_bias=True, family="gpt")
+from ..plan.workload import Workload
+from .hfmodel import gpt_architecture
+from .report import layout
 
 
 def predicted(model, arch, tokens: int, seq_len: int,
               loss_outside: bool = False) -> tuple[dict[str, int], int]:
     """The planner's figures for this run (``zeroshard.plan.peak``: the model's
-    architecture ``arch``, an Architecture or the built-in GPT's ``GPTConfig``, and its
-    workload): per category at the peak, and the peak the profiler can see (saved
-    tensors, not kernels' scratch), for ``tokens`` per rank per forward in sequences of
-    ``seq_len``; ``loss_outside``: the loss is computed on the logits the model returns,
-    where the profiler does not count its saved tensors (``Peak.unseen_loss``)."""
-    recipe, world = model.zero_config.recipe, model.mesh.dp_world
+    architecture ``arch``, an Architecture or the built-in GPT's ``GPTConfig``, its
+    workload, the engine's config and layout): per category at the peak, every
+    placement together as the ledger counts them, and the peak as the profiler counts it
+    (saved tensors, not kernels' scratch; ``Peak.counted``), for ``tokens`` per rank per
+    forward in sequences of ``seq_len``; ``loss_outside``: the loss is computed on the
+    logits the model returns, where the profiler does not count its saved tensors
+    (``Peak.unseen_loss``)."""
     if not isinstance(arch, Architecture):
         arch = gpt_architecture(arch)
     device = model.units[0].device.type
     work = Workload(tokens, seq_len, checkpointing=False, flash_attention=True,
                     cpu=device == "cpu")
     impl = "foreach" if device == "cuda" else "for-loop"  # torch's pick
-    p = peak(ModelSpec.from_arch(arch), recipe, work, world, model.stage,
-             model.zero_config.prefetch, optimizer_impl=impl,
-             shard_group=model.mesh.shard_world, loss_outside=loss_outside)
-    return ({"params": p.weights, "grads": p.grads, "optimizer": p.optimizer,
-             "activations": p.activations - p.unseen_loss}, p.profiled)
+    p = peak(ModelSpec.from_arch(arch), layout(model), model.zero_config, work,
+             optimizer_impl=impl, loss_outside=loss_outside)
+    placed = p.placement
+    return ({"params": placed.total("weights"), "grads": p.grads,
+             "optimizer": placed.total("optimizer"),
+             "activations": p.activations - p.unseen_loss}, p.counted)
 
 
 def _loss_outside(source) -> bool:
-    """The trainer's loss of a Hugging Face model (``models/hf.lm_loss``) is a
-    cross-entropy on the logits the model returns: it runs after the model's forward,
-    outside the profiler's saved-tensor hooks (``Profiler.forward_context``), while the
-    built-in GPT computes its loss inside its forward."""
-    from .hfmodel import HFCausalLM
-
-    return isinstance(source, HFCausalLM)
+    """Whether the trainer's loss of ``source`` runs outside the model's forward, where
+    the profiler's saved-tensor hooks (``Profiler.forward_context``) do not count it:
+    each source says (``loss_outside``)."""
+    return source.loss_outside
 
 
 def profile_report(model, cfg, source, micro: int, seq_len: int, rank: int, out) -> None:

@@ -1,36 +1,44 @@
 """What ``zeroshard train`` prints on rank 0: a header, a progress bar, evaluation lines,
 measured memory per rank beside the planner's prediction, communication per step, and
-a text sample."""
+a text sample.
+
+The planner is asked about the very configuration the engine runs: ``model.zero_config``
+(its recipe, offload and where, ZeRO++) on the engine's own layout (:func:`layout`), so
+the table cannot plan a different question from the one measured."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..plan.comm import ZeroPP, comm_bytes, ring_one_way, shard_degree
-from ..plan.memory import model_state_bytes
+from ..plan.comm import comm_bytes, ring_one_way
+from ..plan.state import model_state_bytes
+from ..spec.config import ZeroConfig
+from ..spec.dims import ParallelDims
 from .config import processes
 
 MB = 1e6
 
 
-def planned_comm(params: int, world: int, recipe, stage: int, accum: int,
-                 shard_group: int | None = None, zeropp=None,
+def layout(model) -> ParallelDims:
+    """The engine's layout of a sharded ``model``: its mesh's sizes (the data-parallel
+    ranks, the shard group's K, hpZ's K2), the very ``ParallelDims`` the planner reads."""
+    return model.mesh.dims
+
+
+def planned_comm(params: int, dims: ParallelDims, config: ZeroConfig, accum: int,
                  units: list[int] | None = None) -> int:
     """Bytes a rank sends per step as planned, with ``accum`` micro-batches per step:
     every backward reduces its gradients (the loop never skips communication with
     ``no_sync``; under hybrid sharding the all-reduce across groups follows each), and
-    at stage 3 every forward and backward gathers the weights; stages 1-2 gather once,
-    after the step. One micro-batch: the planner's figure (``zeropp``: hpZ and the
-    quantized collectives, planned per unit of ``units`` elements)."""
-    once = comm_bytes(params, world, recipe, stage, shard_group=shard_group, zeropp=zeropp,
-                      units=units)
-    if stage in (1, 2):
-        k = shard_degree(world, 1, shard_group)
-        return accum * once - (accum - 1) * ring_one_way(recipe.weight_bytes * params, k)
+    where the weights are sharded every forward and backward gathers them; stages 1-2
+    gather once, after the step. One micro-batch: the planner's figure (hpZ and the
+    quantized collectives planned per unit of ``units`` elements)."""
+    once = comm_bytes(params, dims, config, units)
+    if config.policy.gathers_after_step:
+        weights = config.recipe.weight_bytes * params
+        return accum * once - (accum - 1) * ring_one_way(weights, dims.shard_size)
     return accum * once
 
 
@@ -101,21 +109,22 @@ class Reporter:
         if self.enabled and self.progress is not None:
             self.progress.stop()
 
-    def summary(self, memories: list[dict], comm: dict, recipe, shard_world: int,
-                units: list[int] | None = None) -> None:
-        """Memory per rank and traffic per step, measured beside planned; ``shard_world``:
-        the ranks each shard group holds (the world, unless sharding is hybrid);
-        ``units``: each unit's elements (hpZ and quantized slots are planned per unit)."""
+    def summary(self, memories: list[dict], comm: dict, config: ZeroConfig,
+                dims: ParallelDims, units: list[int] | None = None) -> None:
+        """Memory per rank and traffic per step, measured beside planned for ``config``
+        (the engine's) on ``dims`` (its layout: :func:`layout`); ``units``: each unit's
+        elements (hpZ and quantized slots are planned per unit). The planned categories
+        hold every placement, as the ledger's do (an offloaded optimizer's host master
+        included)."""
         if not self.enabled:
             return
-        stage, z = self.cfg.zero.stage, self.cfg.zero
-        group = shard_world if shard_world != self.world else None
-        weights, grads, optimizer = model_state_bytes(self.params, self.world, recipe, stage,
-                                                      shard_group=group)
-        hybrid = f", shard groups of {group}" if group else ""
+        recipe = config.recipe
+        weights, grads, optimizer = model_state_bytes(self.params, dims, config)
+        hybrid = f", shard groups of {dims.shard_size}" if dims.replicas > 1 else ""
+        offload = f", offload {config.offload}" if config.offload else ""
         t = Table(title=f"memory per rank (MB): measured by the ledger / planned "
-                        f"({recipe.name}, stage {stage}, N = {self.world}{hybrid})",
-                  title_justify="left")
+                        f"({recipe.name}, stage {config.stage}, N = {self.world}{hybrid}"
+                        f"{offload})", title_justify="left")
         for col in ("rank", "params", "grads", "optimizer", "padding", "gathered", "buffers"):
             t.add_column(col, justify="right")
         for r, m in enumerate(memories):
@@ -124,18 +133,7 @@ class Reporter:
                       *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
         self.console.print(t)
         steps = max(1, self.steps_done)
-        zeropp = ZeroPP(z.secondary_group, z.quantize_weights, z.quantize_grads,
-                        z.quant_block)
-        plan_recipe = recipe
-        if z.quantize_grads and z.reduce_dtype is None and group is None:
-            # the engine's default reduction, which the planner implies under qgZ (with
-            # shard groups the exact all-reduce across them needs the reduce dtype: n/a)
-            plan_recipe = replace(recipe, reduce_dtype=None)
-        try:
-            planned = planned_comm(self.params, self.world, plan_recipe, stage, self.accum,
-                                   group, zeropp, units)
-        except ValueError:  # a combination the planner does not plan: say so
-            planned = "n/a (qgZ with shard groups)"
+        planned = planned_comm(self.params, dims, config, self.accum, units)
         t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
                   title_justify="left")
         for col in ("collective", "calls/step", "MB/step"):
@@ -146,7 +144,7 @@ class Reporter:
         sent = sum(s["bytes"] for kind, s in comm.items() if kind != "check")
         t.add_row("total", "", f"{sent / steps / MB:.3f}")
         t.add_row("planned", f"{self.accum} micro-batches" if self.accum > 1 else "",
-                  planned if isinstance(planned, str) else f"{planned / MB:.3f}")
+                  f"{planned / MB:.3f}")
         self.console.print(t)
 
     def profile(self, folder, statements, plan, measured, peak_total, planned_total) -> None:

@@ -5,7 +5,8 @@
 // dtype, m bytes, an fp32 master when the recipe has none; the updated shard up in the
 // compute dtype, twice per micro-batch with the weight shards on the host) and the host
 // step, 2·(m + S) + m (+ w for a cast) bytes per owned element at the node's host
-// memory bandwidth shared by its GPUs. DATA.host is the planner's default host preset.
+// memory bandwidth shared by its GPUs. DATA.host is the planner's default host preset;
+// DATA.offload_stages the stages that take each offload (spec/rules.py's rules).
 "use strict";
 
 Planner.offloadOffer = function offloadOffer(model, recipe, gpus, budget, work,
@@ -17,7 +18,7 @@ Planner.offloadOffer = function offloadOffer(model, recipe, gpus, budget, work,
   const states = recipe.optimizer_bytes - recipe.master_bytes;
   const w = recipe.weight_bytes;
   const gb = (b) => `${Format.bytes(b, unit)} ${unitName}`;
-  for (const [offload, stages] of [["optimizer", [1, 2, 3]], ["params", [3]]]) {
+  for (const [offload, stages] of Object.entries(DATA.offload_stages)) {
     for (const stage of stages) {
       const plain = Planner.planStrategy(model, gpus, recipe, stage, work, budget, shardGroup);
       const onHost = offload === "params";

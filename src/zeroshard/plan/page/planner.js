@@ -1,15 +1,19 @@
 // The planner's memory and communication model, ported function by function from
-// src/zeroshard/plan/memory.py, activations.py, advice.py and arch.py (Architecture.params).
+// src/zeroshard/plan/state.py, comm.py, memory.py, activations.py, advice.py and arch.py
+// (Architecture.params).
 // Every byte count is a BigInt, so each figure is the same exact integer Python
 // computes; numbers become floating point only for drawing and formatting.
 // The page plans data parallelism alone: the Python functions with tp = 1, sharded over
 // all N GPUs or (hybrid sharding) over shard groups of K of them (comm.py).
 // The constants (strategies, presets, recipes, the search limit) are not repeated
-// here: page.py dumps them from the Python definitions into DATA.
+// here: page.py dumps them from the Python definitions into DATA, and what a stage
+// means (which categories it shards, its reduction, what follows the step) is
+// DATA.policies, spec/policy.py's ShardPolicy per stage: no stage number is compared.
 "use strict";
 
 const Planner = (() => {
   const STRATEGIES = DATA.strategies;
+  const POLICIES = DATA.policies;
 
   // memory._ceil_div: sharded figures round up (a rank holds whole elements).
   const ceilDiv = (a, b) => (a + b - 1n) / b;
@@ -41,7 +45,7 @@ const Planner = (() => {
   // memory.stage_of, for the names the page uses.
   function stageOf(strategy) {
     const stage = typeof strategy === "number" ? strategy : STRATEGIES.indexOf(strategy);
-    if (stage < 0 || stage > 3) throw new Error(`unknown strategy ${strategy}`);
+    if (POLICIES[stage] === undefined) throw new Error(`unknown strategy ${strategy}`);
     return stage;
   }
 
@@ -125,30 +129,33 @@ const Planner = (() => {
   // memory.ring_one_way: (N-1)/N·t bytes for a reduce-scatter or an all-gather.
   const ringOneWay = (t, n) => ceilDiv((big(n) - 1n) * t, big(n));
 
-  // comm.shard_degree: K, the ranks a stage shards over: all N, or a shard group of K.
+  // ParallelDims.shard_size (spec/dims.py): K, the ranks a stage shards over: all N, or
+  // a shard group of K, in the same words when it does not divide them.
   function shardDegree(gpus, shardGroup = null) {
     if (shardGroup == null) return gpus;
     if (gpus % shardGroup) {
       const ok = [];
       for (let d = 1; d <= gpus; d++) if (gpus % d === 0) ok.push(d);
-      throw new Error(`shard_group=${shardGroup} does not divide the ${gpus} data-parallel `
-        + `ranks; expected one of [${ok.join(", ")}]`);
+      throw new Error(`shard_group=${shardGroup} gives shard groups of ${shardGroup} ranks, `
+        + `which do not divide the ${gpus} data-parallel ranks; expected one of `
+        + `[${ok.join(", ")}], 'node' (ranks per machine) or None (all)`);
     }
     return shardGroup;
   }
 
-  // memory.model_state_bytes: stage k shards the first k of (optimizer, grads, weights)
-  // over the N GPUs, or over a shard group of K of them.
+  // state.model_state_bytes: each category the stage's policy shards is cut over the N
+  // GPUs, or over a shard group of K of them.
   function modelStateBytes(params, gpus, recipe, stage, shardGroup = null) {
     const k = big(shardDegree(gpus, shardGroup));
+    const shards = POLICIES[stage].shards;
     const part = (perParam, sharded) => {
       const total = big(perParam) * params;
       return sharded ? ceilDiv(total, k) : total;
     };
     return [
-      part(recipe.weight_bytes, stage >= 3),
-      part(recipe.grad_bytes, stage >= 2),
-      part(recipe.optimizer_bytes, stage >= 1),
+      part(recipe.weight_bytes, shards.params),
+      part(recipe.grad_bytes, shards.grads),
+      part(recipe.optimizer_bytes, shards.optimizer),
     ];
   }
 
@@ -160,10 +167,13 @@ const Planner = (() => {
     const k = shardDegree(gpus, shardGroup), replicas = gpus / k;
     const grads = big(recipe.reduce_bytes) * params;
     const weights = big(recipe.weight_bytes) * params;
-    if (stage === 0) {
+    const policy = POLICIES[stage];
+    if (policy.reduce === "all_reduce") {
       return { inside: ringAllReduce(grads, k), across: ringAllReduce(grads, replicas) };
     }
-    const gathers = stage === 3 ? 2n : 1n;
+    // once after the step (stages 1-2), or for forward and again for backward (stage 3)
+    const gathers = (policy.after_step === "all_gather" ? 1n : 0n)
+      + (policy.shards.params ? 2n : 0n);
     return { inside: ringOneWay(grads, k) + gathers * ringOneWay(weights, k),
       across: ringAllReduce(ceilDiv(grads, big(k)), replicas) };
   }
@@ -191,13 +201,14 @@ const Planner = (() => {
 
   // memory.plan_all: one plan per strategy, DDP first.
   const planAll = (model, gpus, recipe, work, budget, shardGroup = null) =>
-    [0, 1, 2, 3].map((s) => planStrategy(model, gpus, recipe, s, work, budget, shardGroup));
+    POLICIES.map((_, s) => planStrategy(model, gpus, recipe, s, work, budget, shardGroup));
 
-  // advice.floor_bytes: the replicated categories, which no number of GPUs divides.
+  // advice.floor_bytes: the categories the stage replicates, which no number of GPUs
+  // divides.
   function floorBytes(model, recipe, strategy) {
-    const stage = stageOf(strategy);
-    const perParam = (stage < 3 ? recipe.weight_bytes : 0)
-      + (stage < 2 ? recipe.grad_bytes : 0) + (stage < 1 ? recipe.optimizer_bytes : 0);
+    const shards = POLICIES[stageOf(strategy)].shards;
+    const perParam = (shards.params ? 0 : recipe.weight_bytes)
+      + (shards.grads ? 0 : recipe.grad_bytes) + (shards.optimizer ? 0 : recipe.optimizer_bytes);
     return big(perParam) * model.params;
   }
 

@@ -1,15 +1,16 @@
 """The ``zeroshard plan`` flags of the group "time and recommendation".
 
-``--time`` adds the step-time table (``steptime``) to the plan; ``--recommend`` replaces
-the plan with the recommended configuration (``recommend``). ``--tp`` applies to the
-memory plan as well, and so does ``--shard-group`` (hybrid sharding: :func:`shard_group`).
+``--time`` adds the step-time table (``plan/steptime.py``) to the plan; ``--recommend``
+replaces the plan with the recommended configuration (``plan/recommend.py``). ``--tp``
+applies to the memory plan as well, and so does ``--shard-group`` (hybrid sharding:
+:func:`shard_group`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from .hardware import (
+from ..plan.hardware import (
     ACCELERATORS,
     DEFAULT_ACCELERATOR,
     DEFAULT_HOST,
@@ -21,10 +22,10 @@ from .hardware import (
     get_host,
     get_network,
 )
-from .memory import Workload, dp_degree
-from .offload import SUB_GROUP_SIZE
-from .recommend import HEADROOM, recommend
-from .steptime import step_times
+from ..plan.recommend import HEADROOM, recommend
+from ..plan.steptime import Schedule, step_times
+from ..plan.workload import Workload
+from ..spec.config import PLANNED_DISK
 
 #: Global batch of --recommend when none is given: 1,024 sequences (2M tokens at 2,048).
 DEFAULT_GLOBAL_BATCH = 1024
@@ -97,9 +98,21 @@ def check(args) -> None:
     if args.time and args.recommend:
         raise ValueError("--time and --recommend contradict each other; give one")
     if args.tp is not None:
-        dp_degree(args.gpus, args.tp)
+        dp(args, args.tp)
     cluster(args)  # names an unknown preset even when no time is asked for
     shard_group(args, per_tp=True)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def dp(args, tp: int) -> int:
+    """Data-parallel ranks: ``--gpus / --tp``, which must divide."""
+    if args.gpus % tp:
+        raise ValueError(f"--tp={tp} does not divide --gpus={args.gpus}; expected one of "
+                         f"{_divisors(args.gpus)}")
+    return args.gpus // tp
 
 
 def shard_group(args, per_tp: bool = False) -> int | str | None:
@@ -127,10 +140,10 @@ def shard_group(args, per_tp: bool = False) -> int | str | None:
             raise ValueError(f"--shard-group={spec} must be a positive integer or 'node'")
     if per_tp and args.tp is None:
         return k  # recommend tries it at each TP degree it divides
-    dp = dp_degree(args.gpus, tp)
-    if dp % k:
-        raise ValueError(f"--shard-group={spec} does not divide the {dp} data-parallel ranks; "
-                         f"expected one of {[d for d in range(1, dp + 1) if dp % d == 0]}")
+    ranks = dp(args, tp)
+    if ranks % k:
+        raise ValueError(f"--shard-group={spec} does not divide the {ranks} data-parallel "
+                         f"ranks; expected one of {_divisors(ranks)}")
     return k
 
 
@@ -141,39 +154,32 @@ def cluster(args) -> Cluster:
                    get_host(args.host, gb(args.host_bandwidth), gb(args.disk_bandwidth)))
 
 
-def sub_group_size(args) -> int:
-    """``--sub-group-size``, or the engine's default."""
-    return SUB_GROUP_SIZE if args.sub_group_size is None else args.sub_group_size
-
-
 def accumulation(args, work: Workload, tp: int) -> int:
     """Micro-batches per step for --global-batch sequences (1 without it)."""
     if args.global_batch is None:
         return 1
     seq = work.seq_len or work.tokens
-    dp = dp_degree(args.gpus, tp)
+    ranks = dp(args, tp)
     total = args.global_batch * seq
-    if total % (dp * work.tokens):
+    if total % (ranks * work.tokens):
         raise ValueError(f"--global-batch={args.global_batch} sequences of {seq} tokens do not "
-                         f"divide into micro-batches of --tokens={work.tokens} over {dp} "
+                         f"divide into micro-batches of --tokens={work.tokens} over {ranks} "
                          "data-parallel ranks")
-    return total // (dp * work.tokens)
+    return total // (ranks * work.tokens)
 
 
-def run_time(args, model, recipe, work, zeropp=None) -> list:
-    """One StepTime per strategy for the plan's workload (``zeropp`` as far as each
-    strategy takes it)."""
-    tp = args.tp or 1
-    return step_times(model, recipe, work, args.gpus, cluster(args), args.blocks_per_unit,
-                      1 if args.prefetch is None else args.prefetch,
-                      accumulation(args, work, tp), tp, shard_group(args), args.offload,
-                      zeropp, args.offload_dir, sub_group_size(args))
+def run_time(args, model, dims, config, work) -> list:
+    """One StepTime per strategy of ``config`` on ``dims`` for the plan's workload."""
+    schedule = Schedule(args.blocks_per_unit, accumulation(args, work, dims.tp))
+    return step_times(model, dims, config, work, cluster(args), schedule)
 
 
-def run_recommend(args, model, recipe, budget):
+def run_recommend(args, model, config, budget):
+    """``--recommend``: ``config`` gives the precision, a fixed ``--shard-group`` and an
+    asked ``--offload``; ``--offload-dir`` without one places a fallback offload on
+    disk."""
     seq = args.seq_len or args.tokens
-    return recommend(model, recipe, args.gpus, budget, cluster(args),
+    fallback_dir = PLANNED_DISK if args.offload_dir and not args.offload else None
+    return recommend(model, config, args.gpus, budget, cluster(args),
                      args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
-                     args.tp, args.prefetch, headroom=args.headroom,
-                     shard_group=shard_group(args, per_tp=True), offload=args.offload,
-                     offload_dir=args.offload_dir, sub_group_size=sub_group_size(args))
+                     args.tp, args.prefetch, headroom=args.headroom, offload_dir=fallback_dir)
