@@ -20,6 +20,8 @@ COMMANDS = {
               "local Hugging Face model on your data (--hf-model, --data)"),
     "export": ("zeroshard.checkpoint.export_cmd", "a checkpoint as consolidated safetensors"),
     "inspect": ("zeroshard.checkpoint.inspect_cmd", "what a checkpoint holds, checksums checked"),
+    "import-deepspeed": ("zeroshard.commands.import_deepspeed", "a DeepSpeed ZeRO checkpoint "
+                         "(weights, Adam state) as a zeroshard checkpoint, any N and stage"),
     "bench": ("zeroshard.train.granularity", "benchmarks: unit granularity"),
     "demo": ("zeroshard.demo", "the ZeRO-1 experiment of the source documents on real processes"),
 }

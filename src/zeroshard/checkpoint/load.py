@@ -149,6 +149,7 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
         f0 = opened(f"rank{0:05d}.safetensors")
         for name, buf in model.module.named_buffers():
             buf.copy_(f0.rows(f"{name}::buffer"))
-        if manifest["world"] == world:
-            torch.set_rng_state(opened(f"rank{rank:05d}.safetensors").rows("__rng_state__"))
+        own = opened(f"rank{rank:05d}.safetensors") if manifest["world"] == world else None
+        if own is not None and "__rng_state__" in own.header:  # (an import has none)
+            torch.set_rng_state(own.rows("__rng_state__"))
     model.refresh_compute()

@@ -1,0 +1,171 @@
+"""What a DeepSpeed ZeRO checkpoint holds, and where each parameter's elements lie in it.
+
+[Note: DeepSpeed's layouts] A DeepSpeed save is ``DIR/latest`` (a tag) and ``DIR/<tag>/``
+with one ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank
+and model-states files (``mp_rank_00_model_states.pt`` at stages 1-2, one
+``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank at stage 3). The model-states
+file carries ``param_shapes`` (one ordered name -> shape map per group, in the order the
+flat buffers hold them: ``runtime/engine.py`` ``_get_zero_param_shapes``), ``buffer_names``,
+``shared_params`` (tied names), ``frozen_param_shapes``/``frozen_param_fragments`` and
+``module`` (weights in the compute dtype; buffers).
+
+- Stages 1-2 (``runtime/zero/stage_1_and_2.py``): per param group, the trainable
+  parameters in ``param_shapes`` order are flattened into one buffer, parameter j followed
+  by ``param_alignment_paddings[g][j]`` zeros, the whole padded to a multiple of 2·N;
+  rank r owns elements [r·P, r·P + P). ``state_dict`` saves rank r's fp32 slice in
+  ``single_partition_of_fp32_groups[g]`` with the buffer's trailing padding cut off
+  (``group_paddings[g]`` elements), so P = saved length + group padding. Adam's moments
+  for that slice are ``base_optimizer_state["state"][g]`` (padded to P; with
+  ``elastic_checkpoint`` a list of states cut like the weights).
+- Stage 3 (``runtime/zero/stage3.py``, ``partition_parameters.py``): every parameter is
+  flattened and split on its own: c = ceil(numel / N) elements per rank, the last rank's
+  piece padded with zeros. Per sub-group (``sub_group_size``) rank r keeps the
+  concatenation of its pieces in ``fp32_flat_groups[s]``; the moments are the inner
+  optimizer's ``optimizer_state_dict["state"][s]``, in the same layout;
+  ``param_shapes[s]`` lists sub-group s, and param group g holds the sub-groups
+  ``optimizer_state_dict["param_groups"][g]["params"]``.
+
+``deepspeed/utils/zero_to_fp32.py`` reads the weights this way and
+``deepspeed/checkpoint/ds_to_universal.py`` the moments; both hold every rank file at
+once. Here each parameter is a list of pieces (a saved tensor, an element range) and is
+read a slice at a time (``torchfile``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .pieces import Param, as_int, frozen_params, stage3_params, stage12_params
+from .torchfile import Lazy, read_structure
+
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+@dataclass
+class Checkpoint:
+    folder: Path
+    stage: int
+    world: int
+    ds_version: str
+    global_steps: int
+    compute_dtype: torch.dtype
+    params: list[Param]
+    buffers: dict[str, Lazy]
+    groups: list[dict]
+
+
+def tag_folder(path: str | Path, tag: str | None = None) -> Path | None:
+    """The folder of DeepSpeed files that ``path`` (a save folder with ``latest``, or a tag
+    folder itself) names, or None when ``path`` does not look like a DeepSpeed save."""
+    path = Path(path)
+    if tag is not None:
+        return path / tag
+    if any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt")):
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        named = path / latest.read_text().strip()
+        if any(named.glob("*_model_states.pt")) or any(named.glob("*_optim_states.pt")):
+            return named
+    return None
+
+
+def refuse_deepspeed(path: Path) -> None:
+    """Where a zeroshard checkpoint was asked for: a DeepSpeed save (its ``latest`` names a
+    tag folder, not a manifest) is named as one, with the command that converts it."""
+    folder = tag_folder(path)
+    if folder is not None:
+        raise ValueError(f"{path} is a DeepSpeed checkpoint ({folder.name}), not a zeroshard "
+                         f"one: convert it once with `zeroshard import-deepspeed {path} OUT` and "
+                         "load OUT (zs.load), or `zeroshard export` OUT for --init-from")
+
+
+def _optim_files(folder: Path) -> dict[int, Path]:
+    files, other = {}, []
+    for p in sorted(folder.glob("*_optim_states.pt")):
+        m = _OPTIM.match(p.name)
+        if not m:
+            other.append(p.name)
+        elif int(m.group(3)) != 0:
+            raise NotImplementedError(f"{p}: tensor-parallel rank {int(m.group(3))}; only "
+                                      "data-parallel ZeRO checkpoints (mp_rank_00) are read")
+        else:
+            files[int(m.group(2))] = p
+    if other:
+        raise NotImplementedError(f"{folder / other[0]}: expert (MoE) optimizer files are "
+                                  "not read; only data-parallel ZeRO checkpoints")
+    if not files:
+        raise ValueError(f"{folder}: no *_optim_states.pt files (saved without the ZeRO "
+                         "optimizer?); the fp32 weights and Adam state live in them")
+    return files
+
+
+def read(path: str | Path, tag: str | None = None) -> Checkpoint:
+    """The layout of the DeepSpeed checkpoint at ``path`` (``latest``'s tag, or ``tag``);
+    reads the files' structure, not their tensors."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such folder")
+    folder = tag_folder(path, tag)
+    if folder is None:
+        raise ValueError(f"{path} is not a DeepSpeed checkpoint: no `latest` file naming a "
+                         "tag folder, and no *_model_states.pt or *_optim_states.pt in it")
+    if not folder.is_dir():
+        tags = sorted(p.name for p in path.iterdir() if p.is_dir())
+        raise ValueError(f"tag={tag!r}: no folder {folder}; the tags in {path}: {tags}")
+    files = _optim_files(folder)
+    optim = {r: read_structure(p).get("optimizer_state_dict") for r, p in files.items()}
+    if not isinstance(optim[min(optim)], dict) or "zero_stage" not in optim[min(optim)]:
+        raise ValueError(f"{files[min(files)]}: no ZeRO optimizer state (zero_stage) in it")
+    first = optim[min(optim)]
+    stage = as_int(first["zero_stage"])
+    if stage not in (1, 2, 3):
+        raise NotImplementedError(f"{folder}: ZeRO stage {stage}; stages 1, 2 and 3 are read")
+    counts = first["partition_count"]
+    counts = counts if isinstance(counts, list) else [counts]
+    world = as_int(counts[0])
+    if any(as_int(c) != world for c in counts):
+        raise NotImplementedError(f"{folder}: param groups partitioned over {counts} ranks "
+                                  "(expert parallelism); one data-parallel group is read")
+    missing = sorted(set(range(world)) - set(files))
+    if missing or len(files) != world:
+        raise ValueError(f"{folder}: {len(files)} optimizer files for {world} ranks; missing "
+                         f"ranks {missing} (a save that did not finish on every rank?)")
+    if "ds_zero_partition_groups" in first:
+        raise NotImplementedError(f"{folder}: AutoEP partition groups are not read")
+    states = [optim[r] for r in range(world)]
+    model_name = ("zero_pp_rank_{}_mp_rank_00_model_states.pt" if stage == 3
+                  else "mp_rank_00_model_states.pt")
+    model_files = [folder / model_name.format(r) for r in range(world if stage == 3 else 1)]
+    for p in model_files:
+        if not p.is_file():
+            raise ValueError(f"{folder}: no {p.name}; the parameters' names and shapes are in it")
+    model0 = read_structure(model_files[0])
+    shapes = model0.get("param_shapes") if isinstance(model0, dict) else None
+    if not shapes:
+        raise ValueError(f"{model_files[0]}: a model-states file without param_shapes (saved "
+                         "without a ZeRO optimizer?); the flat partitions cannot be cut into "
+                         "parameters without the names and shapes")
+    module = model0.get("module") or {}
+    if stage == 3:
+        params, groups = stage3_params(shapes, states, world, folder)
+    else:
+        params, groups = stage12_params(shapes, states, world, folder)
+    models = [model0] + [read_structure(p) for p in model_files[1:]]
+    trainable = {p.name for p in params}
+    params += frozen_params(models, module, trainable, stage, world)
+    order = {n: k for k, n in enumerate(module)}
+    params.sort(key=lambda p: order.get(p.name, len(order)))
+    for g in groups:  # the names in module order, as an optimizer built from the model has them
+        g["params"].sort(key=lambda n: order.get(n, len(order)))
+    buffers = {n: module[n] for n in model0.get("buffer_names") or [] if n in module}
+    dtypes = [t.dtype for t in module.values() if isinstance(t, Lazy) and t.dtype.is_floating_point]
+    return Checkpoint(folder=folder, stage=stage, world=world,
+                      ds_version=str(model0.get("ds_version", "?")),
+                      global_steps=int(model0.get("global_steps", 0) or 0),
+                      compute_dtype=dtypes[0] if dtypes else torch.float32,
+                      params=params, buffers=buffers, groups=groups)
