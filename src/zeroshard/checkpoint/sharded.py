@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.unit.layout import dim0_chunk
+from .foreign import refuse_deepspeed
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
 FORMAT = "zeroshard-checkpoint"
@@ -92,8 +93,6 @@ def _per_element(value, shard) -> bool:
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or the one a directory's ``latest`` pointer names (the
     pointer file itself may be given: ``runs/ckpt/latest``)."""
-    from .deepspeed.layout import refuse_deepspeed
-
     path = Path(path)
     if path.name == LATEST and path.is_file():
         path = path.parent

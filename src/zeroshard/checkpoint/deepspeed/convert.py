@@ -19,7 +19,7 @@ import torch
 
 from ..sharded import FORMAT, move_in, own_rows
 from ..tensorfile import write_tensors
-from . import layout
+from .layout import Checkpoint, read
 from .pieces import gather, scalar
 
 #: the recipe a DeepSpeed run of each compute dtype with Adam state corresponds to
@@ -42,7 +42,7 @@ def import_deepspeed(src: str | Path, out: str | Path, tag: str | None = None,
     if world is not None and (isinstance(world, bool) or not isinstance(world, int)
                               or world < 1):
         raise ValueError(f"world={world!r}: expected a number of rank files >= 1")
-    ck = layout.read(src, tag)
+    ck = read(src, tag)
     world = world or ck.world
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # what an import stopped by a kill left
@@ -57,7 +57,7 @@ def import_deepspeed(src: str | Path, out: str | Path, tag: str | None = None,
     return manifest
 
 
-def _write_rank(ck: layout.Checkpoint, partial: Path, rank: int, world: int) -> dict:
+def _write_rank(ck: Checkpoint, partial: Path, rank: int, world: int) -> dict:
     """Output file ``rank``: its rows of every parameter and of its optimizer state, as
     ``zs.save`` lays them out (``sharded._write_rows``), and (rank 0) the buffers."""
     plan, rows = [], {}
@@ -83,11 +83,11 @@ def _write_rank(ck: layout.Checkpoint, partial: Path, rank: int, world: int) -> 
     return {"file": fname, "sha256": sha, "bytes": size, "rows": rows}
 
 
-def _manifest(ck: layout.Checkpoint, world: int, files: list[dict]) -> dict:
+def _manifest(ck: Checkpoint, world: int, files: list[dict]) -> dict:
     adam = any("exp_avg_sq" in p.pieces for p in ck.params)
     dtype = str(ck.compute_dtype)[6:]
     return {
-        "format": FORMAT, "version": 1, "world": world, "stage": ck.stage,
+        "format": FORMAT, "version": 1, "world": world, "stage": ck.zero_stage,
         "recipe": _RECIPES.get(ck.compute_dtype) if adam else f"deepspeed-{dtype}",
         "params": {p.name: {"shape": list(p.shape), "dtype": str(p.pieces[""][0][0].dtype)[6:],
                             "trainable": p.trainable} for p in ck.params},
@@ -98,5 +98,5 @@ def _manifest(ck: layout.Checkpoint, world: int, files: list[dict]) -> dict:
         "files": {f["file"]: {k: f[k] for k in ("sha256", "bytes", "rows")} for f in files},
         "extra": {"step": ck.global_steps,
                   "deepspeed": {"folder": str(ck.folder.resolve()), "version": ck.ds_version,
-                                "stage": ck.stage, "world": ck.world}},
+                                "stage": ck.zero_stage, "world": ck.world}},
     }

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ..foreign import tag_folder
 from .pieces import Param, as_int, frozen_params, stage3_params, stage12_params
 from .torchfile import Lazy, read_structure
 
@@ -47,8 +48,11 @@ _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt
 
 @dataclass
 class Checkpoint:
+    """A DeepSpeed checkpoint's parameters (module order), buffers, and optimizer groups
+    (settings, and the names of their parameters)."""
+
     folder: Path
-    stage: int
+    zero_stage: int
     world: int
     ds_version: str
     global_steps: int
@@ -56,32 +60,6 @@ class Checkpoint:
     params: list[Param]
     buffers: dict[str, Lazy]
     groups: list[dict]
-
-
-def tag_folder(path: str | Path, tag: str | None = None) -> Path | None:
-    """The folder of DeepSpeed files that ``path`` (a save folder with ``latest``, or a tag
-    folder itself) names, or None when ``path`` does not look like a DeepSpeed save."""
-    path = Path(path)
-    if tag is not None:
-        return path / tag
-    if any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt")):
-        return path
-    latest = path / "latest"
-    if latest.is_file():
-        named = path / latest.read_text().strip()
-        if any(named.glob("*_model_states.pt")) or any(named.glob("*_optim_states.pt")):
-            return named
-    return None
-
-
-def refuse_deepspeed(path: Path) -> None:
-    """Where a zeroshard checkpoint was asked for: a DeepSpeed save (its ``latest`` names a
-    tag folder, not a manifest) is named as one, with the command that converts it."""
-    folder = tag_folder(path)
-    if folder is not None:
-        raise ValueError(f"{path} is a DeepSpeed checkpoint ({folder.name}), not a zeroshard "
-                         f"one: convert it once with `zeroshard import-deepspeed {path} OUT` and "
-                         "load OUT (zs.load), or `zeroshard export` OUT for --init-from")
 
 
 def _optim_files(folder: Path) -> dict[int, Path]:
@@ -104,6 +82,48 @@ def _optim_files(folder: Path) -> dict[int, Path]:
     return files
 
 
+@dataclass(frozen=True)
+class _Kind:
+    """How a DeepSpeed ZeRO stage lays out its files (see the note)."""
+
+    model_file: str  # the model-states file, ``{}`` the rank where there is one per rank
+    partitioned: bool  # parameters partitioned one by one (stage 3), not flat groups
+    cut: object  # the function that cuts the partitions into parameters
+
+
+#: DeepSpeed's ZeRO stage number -> its layout; stages 1 and 2 share one class
+#: (``runtime/zero/stage_1_and_2.py``), and so one layout
+KINDS = {1: _Kind("mp_rank_00_model_states.pt", False, stage12_params),
+         2: _Kind("mp_rank_00_model_states.pt", False, stage12_params),
+         3: _Kind("zero_pp_rank_{}_mp_rank_00_model_states.pt", True, stage3_params)}
+
+
+def _optimizer_states(folder: Path) -> tuple[int, int, list[dict]]:
+    """(DeepSpeed's ZeRO stage, N, each rank's ``optimizer_state_dict``) of a tag folder."""
+    files = _optim_files(folder)
+    optim = {r: read_structure(p).get("optimizer_state_dict") for r, p in files.items()}
+    first = optim[min(optim)]
+    if not isinstance(first, dict) or "zero_stage" not in first:
+        raise ValueError(f"{files[min(files)]}: no ZeRO optimizer state (zero_stage) in it")
+    zero_stage = as_int(first["zero_stage"])
+    if zero_stage not in KINDS:
+        raise NotImplementedError(f"{folder}: ZeRO stage {zero_stage}; stages 1, 2 and 3 "
+                                  "are read")
+    counts = first["partition_count"]
+    counts = counts if isinstance(counts, list) else [counts]
+    world = as_int(counts[0])
+    if any(as_int(c) != world for c in counts):
+        raise NotImplementedError(f"{folder}: param groups partitioned over {counts} ranks "
+                                  "(expert parallelism); one data-parallel group is read")
+    missing = sorted(set(range(world)) - set(files))
+    if missing or len(files) != world:
+        raise ValueError(f"{folder}: {len(files)} optimizer files for {world} ranks; missing "
+                         f"ranks {missing} (a save that did not finish on every rank?)")
+    if "ds_zero_partition_groups" in first:
+        raise NotImplementedError(f"{folder}: AutoEP partition groups are not read")
+    return zero_stage, world, [optim[r] for r in range(world)]
+
+
 def read(path: str | Path, tag: str | None = None) -> Checkpoint:
     """The layout of the DeepSpeed checkpoint at ``path`` (``latest``'s tag, or ``tag``);
     reads the files' structure, not their tensors."""
@@ -117,30 +137,10 @@ def read(path: str | Path, tag: str | None = None) -> Checkpoint:
     if not folder.is_dir():
         tags = sorted(p.name for p in path.iterdir() if p.is_dir())
         raise ValueError(f"tag={tag!r}: no folder {folder}; the tags in {path}: {tags}")
-    files = _optim_files(folder)
-    optim = {r: read_structure(p).get("optimizer_state_dict") for r, p in files.items()}
-    if not isinstance(optim[min(optim)], dict) or "zero_stage" not in optim[min(optim)]:
-        raise ValueError(f"{files[min(files)]}: no ZeRO optimizer state (zero_stage) in it")
-    first = optim[min(optim)]
-    stage = as_int(first["zero_stage"])
-    if stage not in (1, 2, 3):
-        raise NotImplementedError(f"{folder}: ZeRO stage {stage}; stages 1, 2 and 3 are read")
-    counts = first["partition_count"]
-    counts = counts if isinstance(counts, list) else [counts]
-    world = as_int(counts[0])
-    if any(as_int(c) != world for c in counts):
-        raise NotImplementedError(f"{folder}: param groups partitioned over {counts} ranks "
-                                  "(expert parallelism); one data-parallel group is read")
-    missing = sorted(set(range(world)) - set(files))
-    if missing or len(files) != world:
-        raise ValueError(f"{folder}: {len(files)} optimizer files for {world} ranks; missing "
-                         f"ranks {missing} (a save that did not finish on every rank?)")
-    if "ds_zero_partition_groups" in first:
-        raise NotImplementedError(f"{folder}: AutoEP partition groups are not read")
-    states = [optim[r] for r in range(world)]
-    model_name = ("zero_pp_rank_{}_mp_rank_00_model_states.pt" if stage == 3
-                  else "mp_rank_00_model_states.pt")
-    model_files = [folder / model_name.format(r) for r in range(world if stage == 3 else 1)]
+    zero_stage, world, states = _optimizer_states(folder)
+    kind = KINDS[zero_stage]
+    model_files = [folder / kind.model_file.format(r)
+                   for r in range(world if kind.partitioned else 1)]
     for p in model_files:
         if not p.is_file():
             raise ValueError(f"{folder}: no {p.name}; the parameters' names and shapes are in it")
@@ -151,20 +151,16 @@ def read(path: str | Path, tag: str | None = None) -> Checkpoint:
                          "without a ZeRO optimizer?); the flat partitions cannot be cut into "
                          "parameters without the names and shapes")
     module = model0.get("module") or {}
-    if stage == 3:
-        params, groups = stage3_params(shapes, states, world, folder)
-    else:
-        params, groups = stage12_params(shapes, states, world, folder)
+    params, groups = kind.cut(shapes, states, world, folder)
     models = [model0] + [read_structure(p) for p in model_files[1:]]
-    trainable = {p.name for p in params}
-    params += frozen_params(models, module, trainable, stage, world)
+    params += frozen_params(models, module, {p.name for p in params}, kind.partitioned, world)
     order = {n: k for k, n in enumerate(module)}
     params.sort(key=lambda p: order.get(p.name, len(order)))
     for g in groups:  # the names in module order, as an optimizer built from the model has them
         g["params"].sort(key=lambda n: order.get(n, len(order)))
     buffers = {n: module[n] for n in model0.get("buffer_names") or [] if n in module}
     dtypes = [t.dtype for t in module.values() if isinstance(t, Lazy) and t.dtype.is_floating_point]
-    return Checkpoint(folder=folder, stage=stage, world=world,
+    return Checkpoint(folder=folder, zero_stage=zero_stage, world=world,
                       ds_version=str(model0.get("ds_version", "?")),
                       global_steps=int(model0.get("global_steps", 0) or 0),
                       compute_dtype=dtypes[0] if dtypes else torch.float32,

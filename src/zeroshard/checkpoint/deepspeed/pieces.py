@@ -129,7 +129,7 @@ def stage3_params(shapes, states, world: int, folder) -> tuple[list, list]:
     return params, groups
 
 
-def frozen_params(models, module, trainable: set, stage: int, world: int) -> list:
+def frozen_params(models, module, trainable: set, partitioned: bool, world: int) -> list:
     """Parameters outside the optimizer: ``frozen_param_fragments`` (stages 2-3; at stage 3
     each rank's piece, split like a trainable one), or at stage 1, which saves no
     fragments (``runtime/engine.py`` ``_save_checkpoint``), the weights in ``module``."""
@@ -139,14 +139,14 @@ def frozen_params(models, module, trainable: set, stage: int, world: int) -> lis
     for name, shape in shapes.items():
         shape = _shape(shape)
         n = math.prod(shape)
-        if stage == 3:
+        if partitioned:
             c = -(-n // world)
             pieces = [(m["frozen_param_fragments"][name], 0, min(c, n - r * c))
                       for r, m in enumerate(models) if r * c < n]
         else:
             pieces = [(m0["frozen_param_fragments"][name], 0, n)]
         out.append(Param(name, shape, False, {"": pieces}))
-    if stage < 3:
+    if not partitioned:
         skip = (trainable | set(shapes) | set(m0.get("buffer_names") or [])
                 | set(m0.get("shared_params") or {}))
         out += [Param(n, _shape(t.shape), False, {"": [(t, 0, t.numel())]})
