@@ -30,9 +30,10 @@ needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="DeepSpeed is not installed (pip install deepspeed==0.19.8 torch==2.13.0)")
 
-#: name -> (model, DeepSpeed ZeRO stage, bf16); an odd-width MLP gives padded partitions
-CONFIGS = {"gpt-z2-fp32": ("gpt", 2, False), "mlp-z3-fp32": ("mlp_odd", 3, False),
-           "mlp-z2-bf16": ("mlp_odd", 2, True), "gpt-z3-bf16": ("gpt", 3, True)}
+#: name -> (model, DeepSpeed ZeRO stage, bf16): an odd-width MLP gives padded partitions,
+#: the GPT a frozen parameter (wpe) and a tied one (head is wte)
+CONFIGS = {"gpt-z2-fp32": ("gpt_frozen_skip", 2, False), "mlp-z3-fp32": ("mlp_odd", 3, False),
+           "mlp-z2-bf16": ("mlp_odd", 2, True), "gpt-z3-bf16": ("gpt_frozen_skip", 3, True)}
 STEPS = 3  # DeepSpeed trains steps 0-2, then both sides steps 3-7 from its checkpoint
 
 
@@ -112,6 +113,8 @@ def _assembled(ckpt: Path, key: str = "{}") -> dict:
     m = read_manifest(ckpt)
     out = {}
     for name, p in m["params"].items():
+        if key != "{}" and not p["trainable"]:
+            continue  # (no optimizer state)
         rows = p["shape"][0] if p["shape"] else 1
         parts = [TensorFile(str(ckpt / f)).rows(key.format(name), a, b)
                  for f, a, b, _, _ in _pieces(m, name, 0, rows)]
@@ -130,7 +133,9 @@ def test_weights_and_moments_equal_deepspeeds_consolidation(written, tmp_path):
             m = import_deepspeed(root / name, out, world=world)
             assert len(m["files"]) == world and m["extra"]["step"] == STEPS
             got = _assembled(out)
-            tied = {"head.weight"} if CONFIGS[name][0] == "gpt" else set()  # (is wte.weight)
+            assert [n for n, p in read_manifest(out)["params"].items()
+                    if not p["trainable"]] == (["wpe.weight"] if "gpt" in name else [])
+            tied = {"head.weight"} if CONFIGS[name][0].startswith("gpt") else set()
             assert set(got) == set(weights) - tied
             assert all(torch.equal(got[n], weights[n]) for n in got), name
             for key in ("exp_avg", "exp_avg_sq"):
@@ -158,6 +163,8 @@ def _continue(ckpt: str, model_name: str, stage, precision, weights: dict, state
         net = nn.parallel.DistributedDataParallel(model)
         opt = cases.make_optimizer("groups", model.named_parameters(), 1e-3)
         for n, p in model.named_parameters():
+            if n not in state["exp_avg"]:
+                continue  # frozen
             opt.state[p] = {"step": torch.tensor(float(STEPS)),
                             **{k: state[k][n].reshape(p.shape).clone()
                                for k in ("exp_avg", "exp_avg_sq")}}
@@ -169,7 +176,7 @@ def _continue(ckpt: str, model_name: str, stage, precision, weights: dict, state
         assert all(torch.equal(full[n], w) for n, w in weights.items() if n in full)
         for e in entries(net):
             a, b = e.held()
-            if a == b:
+            if a == b or not e.trainable:
                 continue
             held = opt.state[e.shard]
             for k in ("exp_avg", "exp_avg_sq"):

@@ -109,8 +109,12 @@ def _check_groups(manifest, model, optimizer, ckpt) -> str | None:
     if len(saved) != len(optimizer.param_groups):
         return (f"{ckpt}: {len(saved)} optimizer param groups saved, the optimizer has "
                 f"{len(optimizer.param_groups)}")
+    # frozen parameters have no state: which group lists them does not matter (DeepSpeed
+    # leaves them out of its groups, a torch optimizer built from parameters() keeps them)
+    frozen = {n for n, p in manifest["params"].items() if not p.get("trainable", True)}
     for k, (g, s) in enumerate(zip(optimizer.param_groups, saved)):
-        if [names[id(p)] for p in g["params"]] != s["params"]:
+        if ([n for p in g["params"] if (n := names[id(p)]) not in frozen]
+                != [n for n in s["params"] if n not in frozen]):
             return f"{ckpt}: optimizer param group {k} holds other parameters than saved"
     return None
 
