@@ -33,6 +33,7 @@ read a slice at a time (``torchfile``).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,20 +93,27 @@ class _Kind:
 
 
 #: DeepSpeed's ZeRO stage number -> its layout; stages 1 and 2 share one class
-#: (``runtime/zero/stage_1_and_2.py``), and so one layout
+#: (``runtime/zero/stage_1_and_2.py``), and so one layout. bf16 with fp32 gradient
+#: accumulation at stage 1 runs DeepSpeed's BF16_Optimizer instead, whose files record no
+#: stage (``runtime/bf16_optimizer.py`` ``state_dict``; ``runtime/engine.py``
+#: ``_do_optimizer_sanity_check``): the same flat layout, saved uncut.
 KINDS = {1: _Kind("mp_rank_00_model_states.pt", False, stage12_params),
          2: _Kind("mp_rank_00_model_states.pt", False, stage12_params),
-         3: _Kind("zero_pp_rank_{}_mp_rank_00_model_states.pt", True, stage3_params)}
+         3: _Kind("zero_pp_rank_{}_mp_rank_00_model_states.pt", True, stage3_params),
+         "bf16": _Kind("mp_rank_00_model_states.pt", False,
+                       functools.partial(stage12_params, cut=False))}
 
 
-def _optimizer_states(folder: Path) -> tuple[int, int, list[dict]]:
-    """(DeepSpeed's ZeRO stage, N, each rank's ``optimizer_state_dict``) of a tag folder."""
+def _optimizer_states(folder: Path) -> tuple[int | str, int, list[dict]]:
+    """(DeepSpeed's ZeRO stage or "bf16", N, each rank's ``optimizer_state_dict``) of a
+    tag folder."""
     files = _optim_files(folder)
     optim = {r: read_structure(p).get("optimizer_state_dict") for r, p in files.items()}
     first = optim[min(optim)]
-    if not isinstance(first, dict) or "zero_stage" not in first:
+    if not isinstance(first, dict) or not {"zero_stage", "single_partition_of_fp32_groups"} \
+            & set(first):
         raise ValueError(f"{files[min(files)]}: no ZeRO optimizer state (zero_stage) in it")
-    zero_stage = as_int(first["zero_stage"])
+    zero_stage = as_int(first["zero_stage"]) if "zero_stage" in first else "bf16"
     if zero_stage not in KINDS:
         raise NotImplementedError(f"{folder}: ZeRO stage {zero_stage}; stages 1, 2 and 3 "
                                   "are read")
@@ -160,7 +168,8 @@ def read(path: str | Path, tag: str | None = None) -> Checkpoint:
         g["params"].sort(key=lambda n: order.get(n, len(order)))
     buffers = {n: module[n] for n in model0.get("buffer_names") or [] if n in module}
     dtypes = [t.dtype for t in module.values() if isinstance(t, Lazy) and t.dtype.is_floating_point]
-    return Checkpoint(folder=folder, zero_stage=zero_stage, world=world,
+    return Checkpoint(folder=folder, zero_stage=1 if zero_stage == "bf16" else zero_stage,
+                      world=world,
                       ds_version=str(model0.get("ds_version", "?")),
                       global_steps=int(model0.get("global_steps", 0) or 0),
                       compute_dtype=dtypes[0] if dtypes else torch.float32,

@@ -49,16 +49,19 @@ def _shape(shape) -> tuple[int, ...]:
     return tuple(int(d) for d in shape)
 
 
-def stage12_params(shapes, states, world: int, folder) -> tuple[list, list]:
+def stage12_params(shapes, states, world: int, folder, cut: bool = True) -> tuple[list, list]:
     """Stages 1-2: per param group one flat buffer cut into N equal partitions
-    (``runtime/zero/stage_1_and_2.py``: ``__init__``, ``state_dict``)."""
+    (``runtime/zero/stage_1_and_2.py``: ``__init__``, ``state_dict``). ``cut``: the saved
+    slices lost the buffer's trailing padding (``_get_groups_without_padding``), as
+    DeepSpeed's ZeRO optimizer saves them; its BF16_Optimizer (``runtime/bf16_optimizer.py``,
+    same flat layout without per-parameter alignment) saves them whole."""
     align = states[0].get("param_alignment_paddings")
     params, groups = [], []
     for g, group_shapes in enumerate(shapes):
         parts = [s["single_partition_of_fp32_groups"][g] for s in states]
-        lens = [t.numel() for t in parts]
-        # the saved slice lost the buffer's trailing padding: add it back to get P
-        sizes = {lens[r] + as_int(states[r]["group_paddings"][g]) for r in range(world)}
+        padding = [as_int(s["group_paddings"][g]) for s in states]
+        lens = [t.numel() - (0 if cut else padding[r]) for r, t in enumerate(parts)]  # real
+        sizes = {lens[r] + padding[r] for r in range(world)}  # P, the padding added back
         if len(sizes) != 1:
             raise ValueError(f"{folder}: param group {g}'s rank partitions differ in size "
                              f"({sorted(sizes)}); not a ZeRO-1/2 layout this importer knows")
