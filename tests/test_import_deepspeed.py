@@ -32,10 +32,18 @@ needs_deepspeed = pytest.mark.skipif(
 
 #: name -> (model, DeepSpeed ZeRO stage, bf16): an odd-width MLP gives padded partitions,
 #: the GPT a frozen parameter (wpe) and a tied one (head is wte); bf16 at stage 1 with fp32
-#: gradient accumulation runs DeepSpeed's BF16_Optimizer, whose files differ
+#: gradient accumulation runs DeepSpeed's BF16_Optimizer, whose files differ (and two
+#: configurations change DeepSpeed's order and grouping: see _write_deepspeed)
 CONFIGS = {"gpt-z2-fp32": ("gpt_frozen_skip", 2, False), "mlp-z3-fp32": ("mlp_odd", 3, False),
            "mlp-z2-bf16": ("mlp_odd", 2, True), "gpt-z3-bf16": ("gpt_frozen_skip", 3, True),
-           "mlp-z1-bf16": ("mlp_odd", 1, True)}
+           "mlp-z1-bf16": ("mlp_odd", 1, True), "mlp-z2-rr": ("mlp_odd", 2, False)}
+#: ZeRO-2 with round_robin_gradients, whose flat buffer holds the parameters in another
+#: order. There DeepSpeed's two consolidations disagree: ds_to_universal follows
+#: param_slice_mappings, which DeepSpeed 0.19.8 builds in the original order
+#: (stage_1_and_2.py _link_all_hp_params, utils/mixed_precision_linkage.py), zero_to_fp32
+#: param_shapes, in the buffer's order. The weights DeepSpeed trains with (fp32 here) side
+#: with zero_to_fp32, and so does the import; this configuration is checked against both.
+ROUND_ROBIN = "mlp-z2-rr"
 STEPS = 3  # DeepSpeed trains steps 0-2, then both sides steps 3-7 from its checkpoint
 
 
@@ -74,6 +82,10 @@ def _write_deepspeed(root: str):
                   "steps_per_print": 10**9}
         if stage == 1:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if name == ROUND_ROBIN:
+            config["zero_optimization"]["round_robin_gradients"] = True
+        if name == "mlp-z3-fp32":  # many sub-groups per param group
+            config["zero_optimization"]["sub_group_size"] = 64
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         for step in range(STEPS):
             batch = cases.batch(model_name, step)  # (DeepSpeed's bf16 casts no inputs)
@@ -91,6 +103,11 @@ def _write_deepspeed(root: str):
     oracles = {}
     for name in CONFIGS:
         src, uni = Path(root, name), Path(root, "universal", name)
+        if name == ROUND_ROBIN:  # the weights DeepSpeed trains with, beside zero_to_fp32's
+            module = torch.load(src / f"global_step{STEPS}" / "mp_rank_00_model_states.pt",
+                                weights_only=False)["module"]
+            oracles[name] = (dict(get_fp32_state_dict_from_zero_checkpoint(str(src))), module)
+            continue
         args = dict(input_folder=str(src / f"global_step{STEPS}"), output_folder=str(uni),
                     num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
                     strict=True, inject_missing_state=True)
@@ -135,7 +152,7 @@ def test_weights_and_moments_equal_deepspeeds_consolidation(written, tmp_path):
     root, oracles = written
     for k, name in enumerate(CONFIGS):
         weights, state = oracles[name]
-        for world in (1, (3, 4, 2, 5, 4)[k]):
+        for world in (1, (3, 4, 2, 5, 4, 3)[k]):
             out = tmp_path / f"{name}-{world}"
             m = import_deepspeed(root / name, out, world=world)
             assert len(m["files"]) == world and m["extra"]["step"] == STEPS
@@ -145,6 +162,9 @@ def test_weights_and_moments_equal_deepspeeds_consolidation(written, tmp_path):
             tied = {"head.weight"} if CONFIGS[name][0].startswith("gpt") else set()
             assert set(got) == set(weights) - tied
             assert all(torch.equal(got[n], weights[n]) for n in got), name
+            if name == ROUND_ROBIN:
+                assert all(torch.equal(got[n], state[n]) for n in got)  # (state: module)
+                continue
             for key in ("exp_avg", "exp_avg_sq"):
                 got = _assembled(out, "{}::" + key)
                 assert got.keys() == state[key].keys()

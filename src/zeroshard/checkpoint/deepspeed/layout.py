@@ -3,11 +3,13 @@
 [Note: DeepSpeed's layouts] A DeepSpeed save is ``DIR/latest`` (a tag) and ``DIR/<tag>/``
 with one ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank
 and model-states files (``mp_rank_00_model_states.pt`` at stages 1-2, one
-``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank at stage 3). The model-states
-file carries ``param_shapes`` (one ordered name -> shape map per group, in the order the
-flat buffers hold them: ``runtime/engine.py`` ``_get_zero_param_shapes``), ``buffer_names``,
-``shared_params`` (tied names), ``frozen_param_shapes``/``frozen_param_fragments`` and
-``module`` (weights in the compute dtype; buffers).
+``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank at stage 3), all ``torch.save``
+pickles (``runtime/engine.py``: ``_get_ckpt_name``, ``_get_rank_zero_ckpt_name``). The
+model-states file carries ``param_shapes`` (one ordered name -> shape map per group, in
+the order the flat buffers hold them: ``_get_zero_param_shapes``), ``buffer_names``,
+``shared_params`` (tied names; at stage 3 in rank 0's file only), ``frozen_param_shapes``
+and ``frozen_param_fragments`` (stages 2-3), ``global_steps`` and ``module`` (weights in
+the compute dtype, and the buffers: ``_save_checkpoint``, ``_common_checkpoint_state``).
 
 - Stages 1-2 (``runtime/zero/stage_1_and_2.py``): per param group, the trainable
   parameters in ``param_shapes`` order are flattened into one buffer, parameter j followed
@@ -16,7 +18,10 @@ flat buffers hold them: ``runtime/engine.py`` ``_get_zero_param_shapes``), ``buf
   ``single_partition_of_fp32_groups[g]`` with the buffer's trailing padding cut off
   (``group_paddings[g]`` elements), so P = saved length + group padding. Adam's moments
   for that slice are ``base_optimizer_state["state"][g]`` (padded to P; with
-  ``elastic_checkpoint`` a list of states cut like the weights).
+  ``elastic_checkpoint`` a list of states cut like the weights), its step a 0-d tensor
+  there. DeepSpeed's BF16_Optimizer (bf16 at stage 1 with fp32 gradient accumulation,
+  ``runtime/bf16_optimizer.py``) lays the groups out alike, without per-parameter
+  alignment, and saves its slices uncut and no ``zero_stage``.
 - Stage 3 (``runtime/zero/stage3.py``, ``partition_parameters.py``): every parameter is
   flattened and split on its own: c = ceil(numel / N) elements per rank, the last rank's
   piece padded with zeros. Per sub-group (``sub_group_size``) rank r keeps the
@@ -64,6 +69,7 @@ class Checkpoint:
 
 
 def _optim_files(folder: Path) -> dict[int, Path]:
+    """Data-parallel rank -> its optimizer file; other parallelisms' files are refused."""
     files, other = {}, []
     for p in sorted(folder.glob("*_optim_states.pt")):
         m = _OPTIM.match(p.name)
@@ -123,10 +129,13 @@ def _optimizer_states(folder: Path) -> tuple[int | str, int, list[dict]]:
     if any(as_int(c) != world for c in counts):
         raise NotImplementedError(f"{folder}: param groups partitioned over {counts} ranks "
                                   "(expert parallelism); one data-parallel group is read")
-    missing = sorted(set(range(world)) - set(files))
-    if missing or len(files) != world:
+    missing, extra = sorted(set(range(world)) - set(files)), sorted(set(files) - set(range(world)))
+    if missing:
         raise ValueError(f"{folder}: {len(files)} optimizer files for {world} ranks; missing "
                          f"ranks {missing} (a save that did not finish on every rank?)")
+    if extra:
+        raise ValueError(f"{folder}: optimizer files of ranks {extra}, beyond the {world} the "
+                         "files name (left there by a save at another N?)")
     if "ds_zero_partition_groups" in first:
         raise NotImplementedError(f"{folder}: AutoEP partition groups are not read")
     return zero_stage, world, [optim[r] for r in range(world)]

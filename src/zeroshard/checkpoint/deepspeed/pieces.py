@@ -26,6 +26,7 @@ class Param:
 def as_int(value) -> int:
     return int(value)  # a plain int, or DeepSpeed's ZeroStageEnum (a torchfile.Opaque)
 
+
 #: optimizer param-group values kept in the manifest (as ``zs.save`` keeps them)
 _PLAIN = (int, float, str, bool, list, tuple, type(None))
 
@@ -146,6 +147,7 @@ def frozen_params(models, module, trainable: set, partitioned: bool, world: int)
             c = -(-n // world)
             pieces = [(m["frozen_param_fragments"][name], 0, min(c, n - r * c))
                       for r, m in enumerate(models) if r * c < n]
+            pieces = pieces or [(m0["frozen_param_fragments"][name], 0, 0)]  # (no elements)
         else:
             pieces = [(m0["frozen_param_fragments"][name], 0, n)]
         out.append(Param(name, shape, False, {"": pieces}))
