@@ -115,6 +115,9 @@ def _optimizer_states(folder: Path) -> tuple[int | str, int, list[dict]]:
     tag folder."""
     files = _optim_files(folder)
     optim = {r: read_structure(p).get("optimizer_state_dict") for r, p in files.items()}
+    for state in optim.values():  # (per-parameter addresses, not needed: kept small)
+        if isinstance(state, dict):
+            state.pop("param_slice_mappings", None)
     first = optim[min(optim)]
     if not isinstance(first, dict) or not {"zero_stage", "single_partition_of_fp32_groups"} \
             & set(first):
@@ -169,8 +172,13 @@ def read(path: str | Path, tag: str | None = None) -> Checkpoint:
                          "parameters without the names and shapes")
     module = model0.get("module") or {}
     params, groups = kind.cut(shapes, states, world, folder)
-    models = [model0] + [read_structure(p) for p in model_files[1:]]
-    params += frozen_params(models, module, {p.name for p in params}, kind.partitioned, world)
+    fragments = [model0.get("frozen_param_fragments") or {}]
+    if kind.partitioned and model0.get("frozen_param_shapes"):
+        # each rank's piece of a frozen parameter is in its own file; the rest is dropped
+        fragments += [read_structure(p).get("frozen_param_fragments") or {}
+                      for p in model_files[1:]]
+    params += frozen_params(model0, fragments, {p.name for p in params}, kind.partitioned,
+                            world)
     order = {n: k for k, n in enumerate(module)}
     params.sort(key=lambda p: order.get(p.name, len(order)))
     for g in groups:  # the names in module order, as an optimizer built from the model has them

@@ -133,11 +133,12 @@ def stage3_params(shapes, states, world: int, folder) -> tuple[list, list]:
     return params, groups
 
 
-def frozen_params(models, module, trainable: set, partitioned: bool, world: int) -> list:
+def frozen_params(m0: dict, fragments: list[dict], trainable: set, partitioned: bool,
+                  world: int) -> list:
     """Parameters outside the optimizer: ``frozen_param_fragments`` (stages 2-3; at stage 3
-    each rank's piece, split like a trainable one), or at stage 1, which saves no
-    fragments (``runtime/engine.py`` ``_save_checkpoint``), the weights in ``module``."""
-    m0 = models[0]
+    each rank's piece, split like a trainable one, ``fragments[r]`` rank r's), or at stage
+    1, which saves no fragments (``runtime/engine.py`` ``_save_checkpoint``), the weights in
+    rank 0's model-states file ``m0``'s ``module``."""
     shapes = m0.get("frozen_param_shapes") or {}
     out = []
     for name, shape in shapes.items():
@@ -145,17 +146,18 @@ def frozen_params(models, module, trainable: set, partitioned: bool, world: int)
         n = math.prod(shape)
         if partitioned:
             c = -(-n // world)
-            pieces = [(m["frozen_param_fragments"][name], 0, min(c, n - r * c))
-                      for r, m in enumerate(models) if r * c < n]
-            pieces = pieces or [(m0["frozen_param_fragments"][name], 0, 0)]  # (no elements)
+            pieces = [(f[name], 0, min(c, n - r * c)) for r, f in enumerate(fragments)
+                      if r * c < n]
+            pieces = pieces or [(fragments[0][name], 0, 0)]  # (no elements)
         else:
-            pieces = [(m0["frozen_param_fragments"][name], 0, n)]
+            pieces = [(fragments[0][name], 0, n)]
         out.append(Param(name, shape, False, {"": pieces}))
     if not partitioned:
         skip = (trainable | set(shapes) | set(m0.get("buffer_names") or [])
                 | set(m0.get("shared_params") or {}))
         out += [Param(n, _shape(t.shape), False, {"": [(t, 0, t.numel())]})
-                for n, t in module.items() if n not in skip and isinstance(t, Lazy)]
+                for n, t in (m0.get("module") or {}).items()
+                if n not in skip and isinstance(t, Lazy)]
     return out
 
 
