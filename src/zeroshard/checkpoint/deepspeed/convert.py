@@ -2,10 +2,11 @@
 
 Every output tensor (rows [r·c, r·c + c) of one parameter, or of one of its Adam
 moments, for output file r) is gathered from the DeepSpeed rank files' pieces of it when
-``write_tensors`` asks for it, written, and dropped: the host holds the files' structure
-and one such tensor at a time — at most the largest parameter, in fp32 — whatever the
-model's size and the number of rank files (``zero_to_fp32`` holds every rank's flat
-partitions at once). The rank files are opened once per tensor that needs them.
+``write_tensors`` asks for it, written, and dropped: the host holds one such tensor at a
+time — at most the largest parameter, in fp32 — whatever the model's size and the number
+of rank files (``zero_to_fp32`` holds every rank's flat partitions at once). Besides,
+the files' structure stays in memory: per parameter and state, one (tensor, range) per
+rank file that holds part of it.
 """
 
 from __future__ import annotations
