@@ -246,6 +246,7 @@ def test_training_on_matches_ddp_at_another_n_and_stage(written, tmp_path):
 
 
 @needs_deepspeed
+@pytest.mark.dist  # (the DeepSpeed runs)
 def test_an_interrupted_import_leaves_no_checkpoint(written, tmp_path, monkeypatch):
     from zeroshard.checkpoint.deepspeed import convert
 
@@ -267,6 +268,7 @@ def test_an_interrupted_import_leaves_no_checkpoint(written, tmp_path, monkeypat
 
 
 @needs_deepspeed
+@pytest.mark.dist  # (the DeepSpeed runs)
 def test_a_deepspeed_folder_where_a_zeroshard_checkpoint_is_asked_for(written, capsys):
     root, _ = written
     for path in (root / "gpt-z3-bf16", root / "gpt-z3-bf16" / "latest"):
