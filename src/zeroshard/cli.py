@@ -22,6 +22,8 @@ COMMANDS = {
               "or a local Hugging Face model on your data (--hf-model, --data)"),
     "export": ("zeroshard.commands.export", "a checkpoint as consolidated safetensors"),
     "inspect": ("zeroshard.commands.inspect", "what a checkpoint holds, checksums checked"),
+    "import-deepspeed": ("zeroshard.commands.import_deepspeed", "a DeepSpeed ZeRO checkpoint "
+                         "(weights, Adam state) as a zeroshard checkpoint, any N and stage"),
     "bench": ("zeroshard.commands.bench", "benchmarks: unit granularity"),
     "demo": ("zeroshard.commands.demo", "the ZeRO-1 experiment of the source documents on "
              "real processes"),

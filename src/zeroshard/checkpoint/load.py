@@ -109,8 +109,12 @@ def _check_groups(manifest, model, optimizer, ckpt) -> str | None:
     if len(saved) != len(optimizer.param_groups):
         return (f"{ckpt}: {len(saved)} optimizer param groups saved, the optimizer has "
                 f"{len(optimizer.param_groups)}")
+    # frozen parameters have no state: which group lists them does not matter (DeepSpeed
+    # leaves them out of its groups, a torch optimizer built from parameters() keeps them)
+    frozen = {n for n, p in manifest["params"].items() if not p.get("trainable", True)}
     for k, (g, s) in enumerate(zip(optimizer.param_groups, saved)):
-        if [names[id(p)] for p in g["params"]] != s["params"]:
+        if ([n for p in g["params"] if (n := names[id(p)]) not in frozen]
+                != [n for n in s["params"] if n not in frozen]):
             return f"{ckpt}: optimizer param group {k} holds other parameters than saved"
     return None
 
@@ -149,6 +153,7 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
         f0 = opened(f"rank{0:05d}.safetensors")
         for name, buf in model.module.named_buffers():
             buf.copy_(f0.rows(f"{name}::buffer"))
-        if manifest["world"] == world:
-            torch.set_rng_state(opened(f"rank{rank:05d}.safetensors").rows("__rng_state__"))
+        own = opened(f"rank{rank:05d}.safetensors") if manifest["world"] == world else None
+        if own is not None and "__rng_state__" in own.header:  # (an import has none)
+            torch.set_rng_state(own.rows("__rng_state__"))
     model.refresh_compute()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..runtime.unit.layout import dim0_chunk
 from ..runtime.unit.readout import held_rows
+from .foreign import refuse_deepspeed
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
 FORMAT = "zeroshard-checkpoint"
@@ -107,7 +108,10 @@ def resolve(path: str | Path) -> Path:
             # a save that overwrote ``named`` was stopped between moving the old copy
             # aside and moving the new one in (``_publish``): the old copy is complete
             return old
+        if not (named / MANIFEST).exists():
+            refuse_deepspeed(path)
         return named
+    refuse_deepspeed(path)
     raise ValueError(f"{path} is not a zeroshard checkpoint: no {MANIFEST} and no {LATEST} "
                      "pointer")
 
@@ -238,19 +242,7 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         "files": {f["file"]: {k: f[k] for k in ("sha256", "bytes", "rows")} for f in files},
         "extra": extra,
     }
-    with open(partial / MANIFEST, "w", encoding="utf-8") as fh:
-        json.dump(manifest, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    fsync_dir(str(partial))
-    if path.exists():  # overwriting: move the old one aside first, drop it after
-        old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(partial, path)
+    move_in(partial, path, manifest)
     pointer = path.parent / (LATEST + ".partial")
     pointer.write_text(path.name + "\n")
     os.replace(pointer, path.parent / LATEST)
@@ -264,6 +256,26 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         named = old.with_name(old.name[:-len(".old")])
         if old.is_dir() and not named.exists() and (old / MANIFEST).exists():
             os.replace(old, named)
+
+
+def move_in(partial: Path, path: Path, manifest: dict) -> None:
+    """Finish a checkpoint written into ``partial``: its manifest last (a folder without
+    one is never taken for a checkpoint), made durable, then the folder renamed to
+    ``path`` (an existing ``path`` is moved aside first and dropped after)."""
+    with open(partial / MANIFEST, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(str(partial))
+    if path.exists():  # overwriting: move the old one aside first, drop it after
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, path)
+    fsync_dir(str(path.parent))
 
 
 def verify_contents(ckpt: Path, manifest: dict, fname: str) -> str | None:
