@@ -16,7 +16,9 @@ torchtitan's checkpointer expect.
 The hooks are registered when the model first meets the optimizer: its first step
 (``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` step a fresh optimizer
 once to make its state, ``_init_optim_state`` in
-``torch/distributed/checkpoint/state_dict.py``), ``zs.save`` or ``zs.load``.
+``torch/distributed/checkpoint/state_dict.py``), ``zs.save`` or ``zs.load``. Until then
+its state dict holds no state of the shards, or what a load put there, which the first
+step turns into rows.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer 
 
 
 def attach(stepper, optimizer) -> None:
-    """Register the state-dict hooks of ``stepper``'s model on ``optimizer`` (once)."""
+    """Register the state-dict hooks of ``stepper``'s model on ``optimizer`` (once; none
+    for no optimizer)."""
+    if optimizer is None:
+        return
     seen = _ATTACHED.setdefault(optimizer, set())
     if id(stepper) in seen:
         return
@@ -40,6 +45,17 @@ def attach(stepper, optimizer) -> None:
     owner = weakref.ref(stepper)  # an optimizer kept past its model keeps nothing alive
     optimizer.register_state_dict_post_hook(lambda o, sd: _save(owner(), o, sd))
     optimizer.register_load_state_dict_pre_hook(lambda o, sd: _load(owner(), o, sd))
+    # state loaded before the hooks were there (a load_state_dict before the first step)
+    # may hold DTensors or full tensors: this rank's rows from now on
+    by_shard = _by_shard(stepper)
+    for p in _params(optimizer.param_groups):
+        if id(p) in by_shard and p in optimizer.state:
+            u, i = by_shard[id(p)]
+            state = optimizer.state[p]
+            for name, v in list(state.items()):
+                if isinstance(v, DTensor) or (torch.is_tensor(v) and v.dim() > 0
+                                              and v.shape != p.shape):
+                    state[name] = _rows(u, i, v, f"optimizer state {name!r}")
 
 
 def _by_shard(stepper) -> dict[int, tuple]:

@@ -103,8 +103,9 @@ def _same_layout(value: DTensor, unit, i: int) -> bool:
     """Whether ``value``'s local tensor is this rank's rows: the same ranks in the same
     mesh layout and the same placements (the mesh object and its names may differ)."""
     mesh = unit.comm.mesh.device_mesh
-    return (tuple(value.placements) == placements(unit, i)
-            and value.device_mesh.mesh.tolist() == mesh.mesh.tolist())
+    if tuple(value.placements) != placements(unit, i):
+        return False
+    return value.device_mesh is mesh or value.device_mesh.mesh.tolist() == mesh.mesh.tolist()
 
 
 def _shape_error(what: str, got: str, full, target, first: int) -> str:
