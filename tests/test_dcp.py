@@ -182,6 +182,9 @@ def _grid(root: str) -> dict:
         net, opt = _zs(w, n, stage, k, lr=5.0)
         if not w.active(n):
             continue
+        weight = net.state_dict()["inp.weight"]
+        out[("layout", loader)] = (weight.device_mesh.mesh_dim_names, weight.placements,
+                                   tuple(weight.to_local().shape))
         for c, writer in enumerate(CONFIGS):
             if (writer, loader) in PAIRS:
                 _load(w, n, net, opt, f"{root}/grid{c}")
@@ -196,11 +199,13 @@ def _plain_state_dict(w: World) -> dict:
     """The issue's flow, on ``model.state_dict()`` and ``optimizer.state_dict()``."""
     out = {}
     net, opt = _zs(w, 2, 3, None)
+    mine = f"{w.root}/rank{dist.get_rank()}.pt"
     if w.active(2):
         w.steps(net, opt, 2, 0, 3)
         dcp.save({"model": net.state_dict(), "optim": opt.state_dict()},
                  checkpoint_id=f"{w.root}/plain", process_group=w.groups[2])
         w.keep(_full(net, opt), "plain")
+        torch.save({"model": net.state_dict(), "optim": opt.state_dict()}, mine)
     dist.barrier()
     for stage in (1, 3):
         fresh, fresh_opt = _zs(w, 2, stage, None)
@@ -212,6 +217,14 @@ def _plain_state_dict(w: World) -> dict:
         fresh.load_state_dict(state["model"])
         fresh_opt.load_state_dict(state["optim"])
         out[("plain", stage)] = _holds(fresh, fresh_opt, w.ref("plain"))
+    # torch.save of the DTensor state dicts on every rank: a per-rank copy, same N and stage
+    fresh, fresh_opt = _zs(w, 2, 3, None)
+    if w.active(2):
+        w.steps(fresh, fresh_opt, 2, 5, 6)
+        state = torch.load(mine, weights_only=False)
+        fresh.load_state_dict(state["model"])
+        fresh_opt.load_state_dict(state["optim"])
+        out[("torch.save", 3)] = _holds(fresh, fresh_opt, w.ref("plain"))
     return out
 
 
@@ -261,9 +274,31 @@ def test_every_n_and_stage_loads_every_other_bit_for_bit(ranks):
     assert [k for k, ok in checked.items() if not ok] == []
 
 
+def test_state_dicts_are_dtensors_laid_out_as_the_shards(ranks):
+    """5 rows at N = 4 are 2, 2, 1 and 0 (DTensor's uneven split, rank 3 holds none);
+    hybrid sharding is FSDP2's 2-D mesh; stage 0 holds every row."""
+    for n, stage, k in CONFIGS:
+        layouts = [r[("layout", (n, stage, k))] for r in ranks[:n]]
+        names = {x[0] for x in layouts}
+        placements = {str(x[1]) for x in layouts}
+        rows = [x[2][0] for x in layouts]
+        assert names == {("replicate", "shard") if k else ("shard",)}
+        if stage == 0:
+            assert placements == {"(Replicate(), Replicate())" if k else "(Replicate(),)"}
+            assert rows == [5] * n
+        else:
+            assert placements == {"(Replicate(), Shard(dim=0))" if k else "(Shard(dim=0),)"}
+            assert rows == {1: [5], 2: [3, 2], 4: [3, 2, 3, 2] if k else [2, 2, 1, 0]}[n]
+
+
 def test_dcp_of_the_plain_state_dicts_reshards(ranks):
     for r in ranks[:2]:
         assert r[("plain", 1)] and r[("plain", 3)]
+
+
+def test_torch_save_of_the_state_dicts_on_every_rank_loads_back(ranks):
+    for r in ranks[:2]:
+        assert r[("torch.save", 3)]
 
 
 def test_fsdp2_and_zeroshard_load_each_other_and_train_on(ranks):

@@ -32,10 +32,10 @@ class ModuleView:
 
     def __init__(self, unit) -> None:
         index = {id(p): i for i, p in enumerate(unit.params)}
-        self.places = [(m, name, index[id(p)]) for m in unit.module.modules()
+        self.places = [(m, name, index[id(p)], _plain(m)) for m in unit.module.modules()
                        for name, p in m._parameters.items() if p is not None and id(p) in index]
-        """(module, attribute name, parameter index) of every registration (tied
-        parameters have several)."""
+        """(module, attribute name, parameter index, whether the module keeps torch's own
+        ``__setattr__``) of every registration (tied parameters have several)."""
         self.sharded: list[nn.Parameter] | None = None
         """What a released unit shows: its rows of each parameter, as DTensors."""
         if unit.w_shard is not None:
@@ -45,12 +45,15 @@ class ModuleView:
 
     def show(self, params: list[nn.Parameter]) -> None:
         """Register ``params[i]`` under every name of parameter i."""
-        for module, name, i in self.places:
-            if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+        for module, name, i, plain in self.places:
+            if plain:
                 module._parameters[name] = params[i]  # FSDP2's fast path
             else:  # a module with its own __setattr__ sees the change
                 setattr(module, name, params[i])
 
-    def ids(self) -> set[int]:
-        """Ids of the DTensor parameters this view may show."""
-        return {id(p) for p in self.sharded or ()}
+
+
+def _plain(module: nn.Module) -> bool:
+    """Whether ``module`` sets attributes with ``nn.Module.__setattr__`` itself (FSDP2's
+    ``unsafe_setattr_param`` asks the same)."""
+    return getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__
