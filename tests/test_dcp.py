@@ -276,14 +276,14 @@ def test_every_n_and_stage_loads_every_other_bit_for_bit(ranks):
 
 def test_state_dicts_are_dtensors_laid_out_as_the_shards(ranks):
     """5 rows at N = 4 are 2, 2, 1 and 0 (DTensor's uneven split, rank 3 holds none);
-    hybrid sharding is FSDP2's 2-D mesh; stage 0 holds every row."""
+    hybrid sharding is FSDP2's 2-D mesh; stage 0 and N = 1 hold every row."""
     for n, stage, k in CONFIGS:
         layouts = [r[("layout", (n, stage, k))] for r in ranks[:n]]
         names = {x[0] for x in layouts}
         placements = {str(x[1]) for x in layouts}
         rows = [x[2][0] for x in layouts]
         assert names == {("replicate", "shard") if k else ("shard",)}
-        if stage == 0:
+        if stage == 0 or n == 1:  # whole on every rank (at N = 1 the two are one)
             assert placements == {"(Replicate(), Replicate())" if k else "(Replicate(),)"}
             assert rows == [5] * n
         else:
