@@ -35,7 +35,8 @@ CONFIGS = [(0, None), (1, None), (2, None), (3, None), (3, "bf16")]
 
 def isolated(fn, timeout: float = 60.0):
     """``fn()`` run in a child forked from this process: ("ok", result), ("error",
-    "Type: message") if it raised, ("crashed", signal name) if a signal killed it."""
+    "Type: message") if it raised, ("crashed", signal name) if a signal killed it,
+    ("hung", seconds) if it ran past ``timeout``."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no collective here (gloo's threads stay in the parent)
@@ -58,6 +59,8 @@ def isolated(fn, timeout: float = 60.0):
                 chunks.append(chunk)
         else:
             os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return ("hung", timeout)
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         return ("crashed", signal.Signals(os.WTERMSIG(status)).name)
