@@ -3,9 +3,10 @@ with Hugging Face's ``save_pretrained`` ([Note: module view] in ``unit/view.py``
 what it shows between forwards).
 
 Loading. torch's ``Module.load_state_dict`` copies each value into the tensor the
-module registers: at stages 0-2 the full compute weights, which the next step would
-overwrite from the master; at stage 3 a DTensor of this rank's compute rows, whose copy
-from a plain tensor torch refuses. Neither reaches the master. So every module of the
+module registers: at stages 0-2 the full compute weights, which the next step
+overwrites from the master where there is one (mixed precision); at stage 3 a DTensor of
+this rank's compute rows, whose copy from a plain tensor torch refuses. Neither reaches
+the master. So every module of the
 tree gets a load pre-hook that writes its own parameters' values where the model holds
 them (the master rows: a DTensor, the full tensor or this rank's rows, as
 ``model.load_state_dict`` takes them) and hands torch's copy the registered tensor
