@@ -12,8 +12,8 @@ groups of 1, 2 and 4 ranks are the data-parallel groups (``zs.shard(group=...)``
   stage and trains 5 more; FSDP2 continuing its own ends within 1e-6. And back.
 
 The model has a parameter of 5 rows (2, 2, 1 and 0 of them per rank at N = 4), one of 2
-rows, and a 0-d one (a DTensor of shape (1,); FSDP2's model leaves it out, as
-``fully_shard`` cannot chunk a scalar)."""
+rows, and a 0-d one (a DTensor of shape (1,); FSDP2's model leaves it out:
+``fully_shard`` refuses scalar parameters)."""
 
 import pytest
 import torch

@@ -15,8 +15,9 @@ a DTensor, with no copy and no collective:
   same rows (``mesh.py``, [Note: hybrid sharding]).
 
 A 0-d parameter counts as one row of one, as in the layout: its DTensor has shape
-``(1,)`` (a scalar cannot be chunked). hpZ's secondary copies are transient, kept from
-a forward for its backward, and never part of a state dict.
+``(1,)``, since a scalar cannot be chunked (``fully_shard`` refuses scalar parameters
+and asks for exactly this shape). hpZ's secondary copies are transient, kept from a
+forward for its backward, and never part of a state dict.
 """
 
 from __future__ import annotations
