@@ -12,12 +12,19 @@ import subprocess
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import zeroshard as zs
 from zeroshard.offload import HostAdamW
 from zeroshard.runtime.spawn import spawn
 
 from . import engine_cases as cases
+
+
+def _rows(state: dict) -> dict:
+    """A copy of one parameter's optimizer state: this rank's rows (a DTensor's local
+    tensor, as the optimizer's state dict gives them)."""
+    return {n: (t.to_local() if isinstance(t, DTensor) else t).clone() for n, t in state.items()}
 
 pytestmark = pytest.mark.dist
 SUB = 1000  # elements per sub-group: the GPT case's rank holds 10 512, so 11 sub-groups
@@ -86,7 +93,7 @@ def _grid(root, full):
                 out[(precision, stage, disk is not None)] = net.full_state_dict()
                 if (precision, stage) == ("bf16", 3):
                     name = "disk" if disk else "plain"
-                    out[("state", name)] = {k: {n: t.clone() for n, t in v.items()}
+                    out[("state", name)] = {k: _rows(v)
                                             for k, v in opt.state_dict()["state"].items()}
                     out[("placed", name)] = net.memory(opt, by_placement=True)
                     zs.save(net, opt, os.path.join(root, f"ckpt-{name}"))
@@ -105,7 +112,7 @@ def _grid(root, full):
         zs.load(net, opt, os.path.join(root, f"ckpt-{name}"))
         for _ in range(20):
             sched.step()
-        out[("loaded", name)] = {k: {n: t.clone() for n, t in v.items()}
+        out[("loaded", name)] = {k: _rows(v)
                                  for k, v in opt.state_dict()["state"].items()}
         _train(net, opt, sched, 1, start=20)
         out[("resumed", name)] = net.full_state_dict()
@@ -115,7 +122,7 @@ def _grid(root, full):
                    offload_dir=root, sub_group_size=SUB, shard_group=1)
     opt, sched = _optimizer(net)
     zs.load(net, opt, os.path.join(root, "ckpt-disk"))
-    out["K=1"] = (net.full_state_dict(), {k: {n: t.clone() for n, t in v.items()}
+    out["K=1"] = (net.full_state_dict(), {k: _rows(v)
                                           for k, v in opt.state_dict()["state"].items()})
     del net, opt, sched
     net = _net(3, "bf16", root)  # HostAdamW drives the streamed step alike

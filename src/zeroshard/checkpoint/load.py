@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..runtime.step.optim_state import attach
 from .sharded import entries, read_manifest, resolve, verify, verify_contents
 from .tensorfile import TensorFile
 
@@ -82,6 +83,7 @@ def load(model, optimizer, path: str | Path) -> dict:
         problem = f"{ckpt or path}: {type(exc).__name__}: {exc}"
     _agree(model, problem)
     _apply(model, optimizer, ckpt, manifest, plan, rank, world)
+    attach(model.stepper, optimizer)  # its state dict speaks DTensor from now on
     return manifest["extra"]
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..runtime.step.optim_state import attach
 from ..runtime.unit.layout import dim0_chunk
 from ..runtime.unit.readout import held_rows
 from .foreign import refuse_deepspeed
@@ -146,6 +147,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     in the group, K files); the replica groups hold the same rows and write nothing."""
     rank, world = model.mesh.shard_rank, model.mesh.shard_world
     writer = model.mesh.replica_rank == 0
+    attach(model.stepper, optimizer)  # its state dict speaks DTensor from now on
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     model.synchronize()

@@ -82,7 +82,8 @@ class Profiler:
 
     # -- activations: saved-tensor hooks ------------------------------------------------
     def _param_storages(self) -> set[int]:
-        return {p.untyped_storage().data_ptr() for p in self.model.module.parameters()}
+        # the full parameters (not what the module shows: a released unit shows DTensors)
+        return {p.untyped_storage().data_ptr() for u in self.model.units for p in u.params}
 
     def pack(self, t: torch.Tensor):
         key = t.untyped_storage().data_ptr()

@@ -14,10 +14,18 @@ DDP with the stage's bookkeeping.
 Besides these, the engine makes a twin of the shard group for gradient reductions (so
 a rank whose reductions start late cannot pair them with another rank's gathers) and a
 gloo twin of the data-parallel group for fingerprints and agreements (``watch.py``).
+
+[Note: device mesh] To torch the same layout is a ``DeviceMesh`` (:attr:`Mesh.device_mesh`),
+made from these groups, not new ones (``DeviceMesh.from_group``): a 1-D mesh named
+``("shard",)`` over the shard group, or under hybrid sharding the 2-D
+``("replicate", "shard")`` mesh of FSDP2's HSDP, rows the shard groups. A shard is then
+exactly a DTensor ``Shard(0)`` on the ``"shard"`` dim (``unit/dtensor.py``), which is
+what lets ``torch.distributed.checkpoint`` and FSDP2 read and reshard its state dicts.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -25,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..spec.dims import ParallelDims
+from .dist import default_device
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,22 @@ class Mesh:
                    group_name=dist.distributed_c10d._get_process_group_name(pg),
                    timeout_s=timeout.total_seconds() if timeout is not None else None,
                    gloo="gloo" in str(dist.get_backend(group)))
+
+    @functools.cached_property
+    def device_mesh(self):
+        """The shard group as torch's ``DeviceMesh`` ([Note: device mesh]), made once on
+        first use from the existing groups (no collective, no new group)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device = default_device().type
+        shard = self.shard_group
+        if shard is None:  # the world
+            shard = dist.distributed_c10d._get_default_group()
+        if self.replica_world == 1:
+            return DeviceMesh.from_group(shard, device, mesh_dim_names=("shard",))
+        layout = torch.tensor(self.global_ranks).view(self.replica_world, self.shard_world)
+        return DeviceMesh.from_group([self.replica_group, shard], device, mesh=layout,
+                                     mesh_dim_names=("replicate", "shard"))
 
 
 def shard_size(spec, dp_world: int) -> int | None:

@@ -1,89 +1,14 @@
-"""What a sharded model gives out: its weights (the standard ``state_dict()`` /
-``load_state_dict()``, full weights, ``gathered()``) and the bytes it holds and sends.
-
-[Note: state dict] ``state_dict()`` returns what this rank holds, without a collective:
-under each original name (tied names each, as torch does) the tensor the rank reads
-and writes that parameter through (``unit/readout.held_rows``) — the fp32 master rows where
-there is a master, else the weights — and the module's persistent buffers. At stages
-1-3 a trainable parameter of d0 rows is rank r's dim-0 chunk, rows ``[r·c, r·c + c)``
-with c = ceil(d0 / N) (``zeroshard.runtime.unit.layout.dim0_chunk``); at stage 0, and for a
-frozen parameter below stage 3, the whole parameter. So ``torch.save`` of it on every
-rank is a sharded checkpoint of the weights (FSDP2 returns sharded DTensors alike), and
-nothing is gathered; ``full_state_dict()`` gathers the full weights, and
-``zeroshard.save`` writes a resharding checkpoint with the optimizer state.
-
-``load_state_dict()`` takes, per parameter, either this rank's rows (what
-``state_dict()`` returned) or the full parameter (an unsharded model's state dict), checks
-every shape before it writes anything, writes the master (or weights) and then brings
-the compute weights up to date from it — a collective at stages 1-2, like the step.
+"""What a sharded model gives out besides its state dict (``dtensor.py``): its full
+weights, and the bytes it holds and sends.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
-from torch.nn.modules.module import _IncompatibleKeys
 
 from ..build.construct import broadcast_buffers
-from ..unit.readout import disk_bytes, full_tensors, held_rows, host_bytes, measure
-
-
-def _by_param(model) -> dict[int, tuple]:
-    return {id(p): (u, i) for u in model.units for i, p in enumerate(u.params)}
-
-
-def state_dict_of(model, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
-    """This rank's rows of every parameter and the persistent buffers (see the note)."""
-    out = OrderedDict() if destination is None else destination
-    owners = _by_param(model)
-    for key, t in model.module.state_dict(keep_vars=True).items():
-        if id(t) in owners:
-            u, i = owners[id(t)]
-            t = held_rows(u, i)[0]
-        out[prefix + key] = t if keep_vars else t.detach()
-    return out
-
-
-def load_into(model, values: dict, strict: bool = True) -> _IncompatibleKeys:
-    """Write ``values`` (this rank's rows or full tensors, per key) into the shards."""
-    expected = model.module.state_dict(keep_vars=True)
-    missing = [k for k in expected if k not in values]
-    unexpected = [k for k in values if k not in expected]
-    if strict and (missing or unexpected):
-        raise ValueError(f"load_state_dict: missing keys {missing}, unexpected keys "
-                         f"{unexpected}; the keys are the module's own names (as "
-                         "state_dict() returns them); strict=False loads the rest")
-    owners = _by_param(model)
-    writes = []
-    for key, t in expected.items():
-        if key not in values:
-            continue
-        value = torch.as_tensor(values[key])
-        if id(t) not in owners:  # a buffer
-            if value.shape != t.shape:
-                raise ValueError(f"load_state_dict: buffer {key!r} has shape "
-                                 f"{tuple(value.shape)}, the model's {tuple(t.shape)}")
-            writes.append((t, value))
-            continue
-        u, i = owners[id(t)]
-        target, first = held_rows(u, i)
-        full = tuple(u.params[i].shape)
-        if tuple(value.shape) == full:  # the full parameter: this rank's rows of it
-            count = target.shape[0] if target.dim() else 1
-            rows = value.reshape(full[0] if full else 1, -1)[first:first + count]
-            writes.append((target, rows.reshape(target.shape)))
-        elif value.shape == target.shape:
-            writes.append((target, value))
-        else:
-            raise ValueError(
-                f"load_state_dict: {key!r} has shape {tuple(value.shape)}; expected the full "
-                f"parameter {full} or this rank's rows {tuple(target.shape)} (from row {first})")
-    with torch.no_grad():
-        for target, value in writes:
-            target.copy_(value)
-    model.refresh_compute()
-    return _IncompatibleKeys(missing, unexpected)
+from ..unit.readout import disk_bytes, full_tensors, host_bytes, measure
+from .dtensor import owners
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
@@ -97,11 +22,16 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     values = {}
     for u in model.units:
         values.update(full_tensors(u))
-    by_id = {id(p): values[n] for u in model.units for n, p in zip(u.names, u.params)}
+    by_id = owners(model)  # full parameters, and the DTensors released units show
     out = {}
     for key, t in model.module.state_dict(keep_vars=True).items():
-        out[key] = by_id[id(t)] if id(t) in by_id else t.detach().clone()
+        if id(t) in by_id:
+            u, i = by_id[id(t)]
+            out[key] = values[u.names[i]]
+        else:
+            out[key] = t.detach().clone()
     return out
+
 
 def memory(model, optimizer=None, by_placement: bool = False) -> dict:
     """Bytes on this rank per category: params, grads, optimizer (master + state of

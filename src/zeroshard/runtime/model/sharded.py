@@ -44,7 +44,8 @@ from ..schedule.prefetch import Prefetcher
 from ..step.cycle import StepCycle
 from ..step.optim import register_for_step_hooks
 from ..step.stepping import Stepper
-from . import readout
+from . import dtensor, readout
+from .guard import ModuleGuard
 from .hooks import PassHooks
 
 
@@ -107,6 +108,9 @@ class ShardedModel(nn.Module):
         self.profiler = None
         """The profiler, when ``zs.shard(..., profile=True)`` attached one."""
         self.hooks = PassHooks(self)
+        self.guard = ModuleGuard(self)  # loading and saving through the module itself
+        # an optimizer over the DTensors released units show is one over the module's own
+        self._original_ids |= {id(p) for u in self.units for p in u.view.sharded or ()}
         register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up
         self.comm.phase = "between steps"
@@ -198,19 +202,28 @@ class ShardedModel(nn.Module):
         self.synchronize()
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
-        """This rank's rows of every parameter (the master where there is one) and the
-        persistent buffers, under the module's own names; no collective
-        ([Note: state dict] in ``model/readout.py``). ``full_state_dict()`` gathers full
+        """What this rank holds of every parameter (the master where there is one) as a
+        DTensor of the full shape — ``Shard(0)`` where sharded, ``Replicate()`` where
+        whole — and the persistent buffers, under the module's own names; no collective
+        ([Note: state dict] in ``model/dtensor.py``). ``full_state_dict()`` gathers full
         weights."""
-        return readout.state_dict_of(self, destination, prefix, keep_vars)
+        return dtensor.state_dict_of(self, destination, prefix, keep_vars)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
-        """Load this rank's rows, or full tensors, per key; master, shards and compute
-        weights agree afterwards. Every rank calls it (a collective at stages 1-2)."""
+        """Load DTensors, full tensors or this rank's rows, per key; master, shards and
+        compute weights agree afterwards. Every rank calls it (a collective at stages
+        1-2)."""
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) would replace the shards "
                                       "the optimizer holds; load with assign=False")
-        return readout.load_into(self, state_dict, strict)
+        return dtensor.load_into(self, state_dict, strict)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """The state dict's keys are the module's own: to torch's state-dict functions
+        (``_get_fqns`` in ``torch/distributed/checkpoint/state_dict.py``) each first name
+        lies under the ``module`` attribute, which the keys leave out."""
+        m = self.module
+        return {n: "module" for n in (*m._modules, *m._parameters, *m._buffers)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights (the fp32 master where there is one) and buffers under

@@ -67,9 +67,10 @@ def _owners(optimizer):
             owners.append(m)
         elif m.holds_original(ids):
             raise ValueError(
-                f"{type(optimizer).__name__} holds the module's parameters from before "
-                "zs.shard(): those no longer train (each rank steps its shards). Build the "
-                "optimizer after sharding, over model.parameters()")
+                f"{type(optimizer).__name__} holds the module's own parameters (from before "
+                "zs.shard(), or model.module.parameters()): those do not train (each rank "
+                "steps its shards). Build the optimizer after sharding, over "
+                "model.parameters()")
     return owners
 
 

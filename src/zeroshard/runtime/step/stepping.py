@@ -17,6 +17,7 @@ from . import nonfinite
 from .clip import check_clip_args, clip_grad_norm
 from .cycle import CycleState, StepCycle
 from .optim import check_optimizer
+from .optim_state import attach
 
 
 class Stepper:
@@ -81,6 +82,7 @@ class Stepper:
             check_optimizer(optimizer, self.policy)
             if self.disk_step is not None:
                 check_streamable(optimizer)
+            attach(self, optimizer)  # its state dict speaks DTensor from now on
             self.checked.add(id(optimizer))
         if self.stepped_by not in (None, id(optimizer)):
             raise NotImplementedError(
@@ -133,6 +135,10 @@ class Stepper:
             if prev is not None:
                 prev.wait_sync()
             prev = u
+        # the last one too: the module's full weights are current once step() returns,
+        # as a DDP user reads them ([Note: module view]); on a GPU this orders the
+        # streams, and the next forward would wait for it anyway
+        prev.wait_sync()
         self.cycle_norm = self.verdict = None
         self.steps += 1
         self.comm.step, self.comm.phase = self.steps, "between steps"

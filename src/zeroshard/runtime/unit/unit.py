@@ -23,6 +23,7 @@ from .grads import averaged_grads
 from .layout import ShardLayout
 from .state import UnitState
 from .storage import make_storages, optimizer_views
+from .view import ModuleView
 
 
 class Unit:
@@ -83,6 +84,7 @@ class Unit:
         self.host_grads = None  # offload: the reduced slot copied to the host (master dtype)
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
         self.sync_whole = False  # the sync in flight brings this rank's rows too (cast)
+        self.view = ModuleView(self)  # what the module shows ([Note: module view], view.py)
         if policy.shards_params:
             self.release()
 
@@ -117,6 +119,7 @@ class Unit:
         for p, buf in zip(self.params, self.padded):
             p.untyped_storage().resize_(buf.numel() * buf.element_size())
         self.w_layout.unpack_into(out, self.padded)
+        self.view.show(self.params)
         self.state = UnitState.GATHERED
         self.events.emit("gather_done", self)
 
@@ -136,6 +139,7 @@ class Unit:
             j = mesh.secondary_rank
             self.w_secondary = torch.cat([buf[j * m:(j + 1) * m] for buf in self.padded],
                                          dim=1)  # [m, S], the gather's slot layout
+        self.view.show(self.view.sharded)  # the module shows rows, not emptied storages
         for p in self.params:
             p.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED

@@ -1,0 +1,116 @@
+"""The optimizer's state dict in torch's terms: the moments of a shard as DTensors.
+
+[Note: optimizer state dict] An elementwise optimizer keeps, per shard, state tensors of
+the shard's shape (Adam's ``exp_avg``, ``exp_avg_sq``): this rank's rows of the
+parameter's moments. Its own ``state_dict()`` returns them as plain tensors, which
+``torch.distributed.checkpoint`` takes for replicated: it would keep one rank's rows for
+every rank. So a sharded model registers on every optimizer that steps its shards a
+state-dict post-hook that returns each per-element state of its shards as a DTensor with
+the parameter's own layout (``unit/dtensor.py``), sharing memory (DCP loads in place),
+and a load pre-hook that takes DTensors, full tensors or this rank's rows back to this
+rank's rows. Scalars (Adam's ``step``) are the same on every rank and stay as they are.
+This is what FSDP2's optimizer state is (its parameters are DTensors, so their state
+is), and what ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and
+torchtitan's checkpointer expect.
+
+The hooks are registered when the model first meets the optimizer: its first step
+(``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` step a fresh optimizer
+once to make its state, ``_init_optim_state`` in
+``torch/distributed/checkpoint/state_dict.py``), ``zs.save`` or ``zs.load``. Until then
+its state dict holds no state of the shards, or what a load put there, which the first
+step turns into rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..unit.dtensor import local_rows, to_dtensor
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> stepper ids
+
+
+def attach(stepper, optimizer) -> None:
+    """Register the state-dict hooks of ``stepper``'s model on ``optimizer`` (once; none
+    for no optimizer)."""
+    if optimizer is None:
+        return
+    seen = _ATTACHED.setdefault(optimizer, set())
+    if id(stepper) in seen:
+        return
+    seen.add(id(stepper))
+    owner = weakref.ref(stepper)  # an optimizer kept past its model keeps nothing alive
+    optimizer.register_state_dict_post_hook(lambda o, sd: _save(owner(), o, sd))
+    optimizer.register_load_state_dict_pre_hook(lambda o, sd: _load(owner(), o, sd))
+    # state loaded before the hooks were there (a load_state_dict before the first step)
+    # may hold DTensors or full tensors: this rank's rows from now on
+    by_shard = _by_shard(stepper)
+    for p in _params(optimizer.param_groups):
+        if id(p) in by_shard and p in optimizer.state:
+            u, i = by_shard[id(p)]
+            state = optimizer.state[p]
+            for name, v in list(state.items()):
+                if isinstance(v, DTensor) or (torch.is_tensor(v) and v.dim() > 0
+                                              and v.shape != p.shape):
+                    state[name] = _rows(u, i, v, f"optimizer state {name!r}")
+
+
+def _by_shard(stepper) -> dict[int, tuple]:
+    return {id(s): (u, i) for u in stepper.units for i, s in enumerate(u.shards)}
+
+
+def _params(groups) -> list:
+    """Parameters in the order torch numbers them in a state dict."""
+    return [p for g in groups for p in g["params"]]
+
+
+def _save(stepper, optimizer, state_dict: dict):
+    if stepper is None:
+        return None
+    params, by_shard = _params(optimizer.param_groups), _by_shard(stepper)
+    state = {}
+    for key, values in state_dict["state"].items():
+        p = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
+        if id(p) not in by_shard:
+            state[key] = values
+            continue
+        u, i = by_shard[id(p)]
+        # a new dict: torch's state_dict() hands out the optimizer's own per-parameter dicts
+        state[key] = {name: to_dtensor(u, i, v) if _per_element(v, p) else v
+                      for name, v in values.items()}
+    return {**state_dict, "state": state}
+
+
+def _load(stepper, optimizer, state_dict: dict):
+    if stepper is None:
+        return None
+    by_shard = _by_shard(stepper)
+    mine = dict(zip(_params(state_dict["param_groups"]), _params(optimizer.param_groups)))
+    state = {}
+    for key, values in state_dict["state"].items():
+        p = mine.get(key)
+        if id(p) not in by_shard:
+            state[key] = values
+            continue
+        u, i = by_shard[id(p)]
+        state[key] = {name: _rows(u, i, v, f"optimizer state {name!r} of {key!r}")
+                      for name, v in values.items()}
+    return {**state_dict, "state": state}
+
+
+def _per_element(value, p) -> bool:
+    return (torch.is_tensor(value) and not isinstance(value, DTensor) and value.dim() > 0
+            and value.shape == p.shape)
+
+
+def _rows(unit, i: int, value, what: str):
+    """A per-element state as this rank's rows; anything else (a scalar) as it is."""
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    rows = local_rows(unit, i, value, what)
+    if rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
+        rows = rows.clone()  # rows of a full tensor: keep those alone
+    return rows
