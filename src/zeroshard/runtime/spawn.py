@@ -38,7 +38,7 @@ class RankFailure(RuntimeError):
         self.tracebacks = tracebacks
 
 
-def _worker(fn, rank, world_size, store_path, backend, timeout, results, args, threads):
+def _worker(call, rank, world_size, store_path, backend, timeout, results, threads):
     import torch
     import torch.distributed as dist
 
@@ -54,6 +54,7 @@ def _worker(fn, rank, world_size, store_path, backend, timeout, results, args, t
                                 timeout=timedelta(seconds=timeout))
         # Plain pickle copies tensors by value: the queue's default would pass shared
         # memory handles that die with this process.
+        fn, args = pickle.loads(call)
         results.put(("ok", rank, pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", rank, traceback.format_exc()))
@@ -77,10 +78,14 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: 
     ctx.set_forkserver_preload(_PRELOAD)
     tmp = tempfile.mkdtemp(prefix="zeroshard-spawn-")
     results = ctx.Queue()
+    # The function and its arguments travel as plain pickle too: tensors by value, not as
+    # shared-memory handles, whose file descriptors the fork server can pass only a few
+    # hundred of at once.
+    call = pickle.dumps((fn, args))
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(fn, r, world_size, os.path.join(tmp, "store"), backend, timeout,
-                          results, args, threads))
+                    args=(call, r, world_size, os.path.join(tmp, "store"), backend, timeout,
+                          results, threads))
         for r in range(world_size)
     ]
     for p in procs:
