@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..runtime.unit.layout import dim0_chunk
 from ..runtime.unit.readout import held_rows
+from .arguments import check_save
 from .foreign import refuse_deepspeed
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
@@ -144,6 +145,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
 
     Under hybrid sharding the ranks of the first shard group write (rows by their place
     in the group, K files); the replica groups hold the same rows and write nothing."""
+    check_save(model, optimizer, path, extra)  # extra agreed by every rank: JSON, or refused
     rank, world = model.mesh.shard_rank, model.mesh.shard_world
     writer = model.mesh.replica_rank == 0
     path = Path(path)
@@ -160,9 +162,8 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     problem, files = None, None
     try:
         files = _write_rows(model, optimizer, partial, rank, world) if writer else None
-    except OSError as exc:
-        problem = (f"rank {model.mesh.dp_rank}: {exc.filename or partial}: "
-                   f"{exc.strerror or exc}")
+    except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
+        problem = f"rank {model.mesh.dp_rank}: {_said(exc, partial)}"
     _agree_saved(model, problem, partial)
     every = [None] * model.mesh.dp_world
     dist.all_gather_object(every, files, group=model.mesh.dp_group)
@@ -170,10 +171,17 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     if model.mesh.dp_rank == 0:
         try:
             _publish(model, optimizer, path, partial, [f for f in every if f], extra or {})
-        except OSError as exc:
-            problem = f"{exc.filename or path}: {exc.strerror or exc}"
+        except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
+            problem = _said(exc, path)
     _agree_saved(model, problem, partial)
     return path
+
+
+def _said(exc: Exception, where: Path) -> str:
+    """An error of a save as its problem: the file and the OS's words, or the error."""
+    if isinstance(exc, OSError):
+        return f"{exc.filename or where}: {exc.strerror or exc}"
+    return f"{where}: {type(exc).__name__}: {exc}"
 
 
 def _agree_saved(model, problem: str | None, partial: Path) -> None:
