@@ -21,10 +21,12 @@ examples:
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 
 from .._paths import output_file
 from ..plan import render
+from ..plan.advice import MAX_GPUS, MAX_PARAMS
 from ..plan.arch import PRESETS, Architecture, ModelSpec, get_preset
 from ..plan.comm import uses_zeropp
 from ..plan.hfconfig import KINDS, from_hf_config
@@ -165,9 +167,18 @@ def resolve_model(args) -> ModelSpec:
     return ModelSpec.from_arch(PRESETS["llama2-7b"])
 
 
+#: Most memory per GPU in GB that --gpu-mem takes (a thousand times today's largest).
+MAX_GPU_MEM = 10**6
+
+
 def _positive(name: str, value) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"--{name}={value} must be positive")
+
+
+def _at_most(name: str, value, most: int, what: str) -> None:
+    if value is not None and value > most:
+        raise ValueError(f"--{name}={value} is more than {what}: at most {most:,}")
 
 
 def check_flags(args) -> None:
@@ -175,6 +186,13 @@ def check_flags(args) -> None:
     for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", "checkpoint_every",
                  "gpu_step", *_DIM_FLAGS):
         _positive(name.replace("_", "-"), getattr(args, name))
+    if not math.isfinite(args.gpu_mem):
+        raise ValueError(f"--gpu-mem={args.gpu_mem} must be a finite number of GB per GPU")
+    _at_most("gpu-mem", args.gpu_mem, MAX_GPU_MEM, "any accelerator holds (GB per GPU)")
+    for name in ("gpus", "gpu_step", "gpus_per_node"):
+        _at_most(name.replace("_", "-"), getattr(args, name), MAX_GPUS, "the planner plans")
+    _at_most("params", args.params, MAX_PARAMS, "the planner plans (500 times the largest "
+             "published models)")
     if args.checkpoint_every is not None and args.no_checkpointing:
         raise ValueError("--checkpoint-every and --no-checkpointing contradict each other")
     plan_time.check(args)
@@ -251,6 +269,7 @@ def _sweep(spec: str | None) -> list[int] | None:
             f"--sweep={spec!r} must be comma-separated GPU counts, e.g. 8,16,32") from None
     if not counts or any(n <= 0 for n in counts):
         raise ValueError(f"--sweep={spec!r} must list positive GPU counts, e.g. 8,16,32")
+    _at_most("sweep", max(counts), MAX_GPUS, "the planner plans")
     return counts
 
 
@@ -283,6 +302,9 @@ def run(args) -> int:
     check_flags(args)
     sweep = _sweep(args.sweep)
     model, config = resolve_model(args), plan_config(args)
+    if model.params > MAX_PARAMS:  # a model given by its dimensions or a config.json
+        raise ValueError(f"the model has {model.params:,} parameters, more than the planner "
+                         f"plans: at most {MAX_PARAMS:,}")
     unit = 2**30 if args.gib else 10**9
     budget = int(args.gpu_mem * unit)
     if args.html:
