@@ -35,7 +35,8 @@ import torch.distributed as dist
 from ..runtime.unit.layout import dim0_chunk
 from ..runtime.unit.readout import held_rows
 from .arguments import check_save
-from .foreign import refuse_deepspeed
+from .foreign import refuse_foreign
+from .sanity import check_manifest, pointed
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
 FORMAT = "zeroshard-checkpoint"
@@ -103,16 +104,16 @@ def resolve(path: str | Path) -> Path:
     if (path / MANIFEST).exists():
         return path
     if (path / LATEST).exists():
-        named = path / (path / LATEST).read_text().strip()
+        named = path / pointed(path / LATEST)
         old = named.with_name(named.name + ".old")
         if not (named / MANIFEST).exists() and (old / MANIFEST).exists():
             # a save that overwrote ``named`` was stopped between moving the old copy
             # aside and moving the new one in (``_publish``): the old copy is complete
             return old
         if not (named / MANIFEST).exists():
-            refuse_deepspeed(path)
+            refuse_foreign(path)
         return named
-    refuse_deepspeed(path)
+    refuse_foreign(path)
     raise ValueError(f"{path} is not a zeroshard checkpoint: no {MANIFEST} and no {LATEST} "
                      "pointer")
 
@@ -127,6 +128,7 @@ def read_manifest(ckpt: Path) -> dict:
     if missing:
         raise ValueError(f"{ckpt / MANIFEST}: the manifest lacks {missing} (damaged, or "
                          "written by another program)")
+    check_manifest(manifest, ckpt / MANIFEST)
     return manifest
 
 

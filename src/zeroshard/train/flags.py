@@ -51,6 +51,8 @@ def _config_keys(path: str | None) -> set[str]:
 def in_user_words(message: str, typed: set[str], config: str | None) -> str:
     """``message`` with each setting it names as the user gave it: the flag, or the key of
     the ``--config`` file (whose path then leads the line) when it came from there."""
+    if message.startswith("config "):
+        return message  # about the --config file itself, in its keys
     from_file = _config_keys(config) - typed
     names = "|".join(map(re.escape, _settings()))
     # a setting's name as a word of its own: before "=" (name=value), or, for a name
