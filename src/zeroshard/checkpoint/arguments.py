@@ -57,6 +57,14 @@ def sharded_model(model, call: str) -> None:
         raise ValueError(f"{call} takes the model zs.shard returned; got {_what(model)}")
 
 
+def said(exc: Exception, where: Path) -> str:
+    """One rank's error inside a save as the problem every rank is told: the file and the
+    OS's words, or the error's type and message."""
+    if isinstance(exc, OSError):
+        return f"{exc.filename or where}: {exc.strerror or exc}"
+    return f"{where}: {type(exc).__name__}: {exc}"
+
+
 def check_save(model, optimizer, path, extra) -> None:
     """``zs.save``'s arguments, ``extra`` agreed by every rank before anything is written."""
     sharded_model(model, "zs.save()")

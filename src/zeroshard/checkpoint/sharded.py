@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..runtime.unit.layout import dim0_chunk
 from ..runtime.unit.readout import held_rows
-from .arguments import check_save
+from .arguments import check_save, said
 from .foreign import refuse_foreign
 from .sanity import check_manifest, pointed
 from .tensorfile import fsync_dir, sha256_file, write_tensors
@@ -165,7 +165,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     try:
         files = _write_rows(model, optimizer, partial, rank, world) if writer else None
     except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
-        problem = f"rank {model.mesh.dp_rank}: {_said(exc, partial)}"
+        problem = f"rank {model.mesh.dp_rank}: {said(exc, partial)}"
     _agree_saved(model, problem, partial)
     every = [None] * model.mesh.dp_world
     dist.all_gather_object(every, files, group=model.mesh.dp_group)
@@ -174,16 +174,9 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
         try:
             _publish(model, optimizer, path, partial, [f for f in every if f], extra or {})
         except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
-            problem = _said(exc, path)
+            problem = said(exc, path)
     _agree_saved(model, problem, partial)
     return path
-
-
-def _said(exc: Exception, where: Path) -> str:
-    """An error of a save as its problem: the file and the OS's words, or the error."""
-    if isinstance(exc, OSError):
-        return f"{exc.filename or where}: {exc.strerror or exc}"
-    return f"{where}: {type(exc).__name__}: {exc}"
 
 
 def _agree_saved(model, problem: str | None, partial: Path) -> None:

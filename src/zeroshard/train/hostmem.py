@@ -35,7 +35,7 @@ def _planned(cfg: TrainConfig, source, micro: int) -> tuple[int, int]:
         work = Workload(micro * source.seq_len, source.seq_len, checkpointing=False,
                         flash_attention=True, cpu=True)
         p = plan_strategy(arch, ParallelDims(cfg.nproc, shard=shard), cfg.zero, work)
-    except (ValueError, NotImplementedError):
+    except Exception:  # noqa: BLE001 - a model the planner cannot describe: no lower bound
         return 0, 0
     if torch.cuda.is_available():  # the device's bytes are not this machine's memory
         return p.host, 0
