@@ -53,6 +53,22 @@ def test_a_rank_killed_without_an_error_is_named_before_the_others_losing_it(tmp
         "zeroshard train: error: rank 1 was killed by SIGKILL")
 
 
+def test_ranks_that_fail_under_spawn_are_one_line():
+    """zeroshard demo and bench run their ranks through spawn: every rank's traceback
+    was the error line (37 lines for the demo's allocation error); now the first
+    failing rank's error is."""
+    from zeroshard._errorline import line_of
+    from zeroshard.runtime.spawn import RankFailure
+
+    tracebacks = {r: "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                     "RuntimeError: DefaultCPUAllocator: not enough memory" for r in (1, 3)}
+    failure = RankFailure("2 of 4 ranks failed:\n" + "\n".join(tracebacks.values()),
+                          tracebacks)
+    assert line_of(failure, "zeroshard demo") == (
+        "zeroshard demo: error: RankFailure: 2 rank(s) failed; rank 1: RuntimeError: "
+        "DefaultCPUAllocator: not enough memory (ZEROSHARD_DEBUG=1 for the full trace)", 1)
+
+
 def test_leftover_rank_variables_are_named_by_init_distributed(monkeypatch):
     from zeroshard.runtime.dist import _check_rank_environment
 
