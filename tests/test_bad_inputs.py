@@ -104,21 +104,45 @@ def tmp(world, tmp_path_factory) -> Path:
         {"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}))
     (root / "blocked").mkdir()  # the final save's unfinished copy has a file in its way
     (root / "blocked" / "step-000004.partial").write_text("in the way")
+    _folders_of_other_programs(root)
     return root
 
 
-def _argv(text: str, tmp: Path) -> list[str]:
-    """The command's arguments; ``--config '{...}'`` stands for a file holding that JSON
+def _folders_of_other_programs(root: Path) -> None:
+    """Checkpoint folders another program wrote: torch.distributed.checkpoint's, and
+    copies of ``ckpt``'s step whose manifest is of a newer version or names a file outside
+    its folder, and a ``latest`` pointer that leads out of its folder."""
+    (root / "dcp").mkdir()
+    (root / "dcp" / ".metadata").write_bytes(b"\x80\x04")
+    (root / "dcp" / "__0_0.distcp").write_bytes(b"")
+    for name, change in (("future", lambda m: m.update(version=2)),
+                         ("escape", lambda m: m.update(files={
+                             f"../{k}": v for k, v in m["files"].items()}))):
+        shutil.copytree(root / "ckpt" / "step-000002", root / name)
+        manifest = json.loads((root / name / "manifest.json").read_text())
+        change(manifest)
+        (root / name / "manifest.json").write_text(json.dumps(manifest))
+    (root / "badpointer").mkdir()
+    (root / "badpointer" / "latest").write_text("../ckpt/step-000002\n")
+
+
+def _argv(text: str, tmp: Path) -> tuple[dict[str, str], list[str]]:
+    """The environment a row sets before its command (``RANK=0 zeroshard ...``) and the
+    command's arguments; ``--config '{...}'`` stands for a file holding that JSON
     (``{tmp}/given.json``)."""
     argv = shlex.split(_sub(text, tmp))
+    env = {}
+    while re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0], re.DOTALL):
+        key, _, value = argv.pop(0).partition("=")
+        env[key] = value
     assert argv[0] == "zeroshard", text
     argv = argv[1:]
     for k, arg in enumerate(argv):
-        if k and argv[k - 1] == "--config" and arg[:1] in "{[":
+        if k and argv[k - 1] == "--config" and arg[:1] and arg[:1] in "{[":
             path = tmp / "given.json"
             path.write_text(arg)
             argv[k] = str(path)
-    return argv
+    return env, argv
 
 
 def _one_line(err: str, line: str, tmp: Path, what: str) -> None:
@@ -129,9 +153,10 @@ def _one_line(err: str, line: str, tmp: Path, what: str) -> None:
 
 def test_the_catalogue_is_large_and_covers_every_command():
     sections = {s for s, _, _ in ROWS}
-    assert len(ROWS) >= 120, len(ROWS)
+    assert len(ROWS) >= 300, len(ROWS)
     for name in ("zeroshard plan", "zeroshard train", "--config", "zeroshard export",
-                 "zeroshard inspect", "zeroshard bench", "zeroshard demo", API, LAUNCHED):
+                 "zeroshard inspect", "zeroshard import-deepspeed", "zeroshard bench",
+                 "zeroshard demo", API, LAUNCHED):
         assert any(name in s for s in sections), (name, sections)
     inputs = [i for _, i, _ in ROWS]
     assert len(inputs) == len(set(inputs)), "an input is listed twice"
@@ -152,8 +177,19 @@ def test_a_command_gets_its_one_line(section, text, line, tmp, capfd):
 
 
 def _command(text: str, line: str, tmp: Path, capfd) -> None:
-    """Run the command; it must fail with exactly ``line`` on stderr."""
-    code = _run(_argv(text, tmp))
+    """Run the command (in the environment the row sets); it must fail with exactly
+    ``line`` on stderr."""
+    env, argv = _argv(text, tmp)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        code = _run(argv)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     out, err = capfd.readouterr()
     assert code != 0, f"{text}: exit code 0\n{out}"
     _one_line(err, line, tmp, text)
@@ -187,3 +223,4 @@ def test_a_call_gets_its_one_error(section, text, line, tmp):
 def test_a_rank_error_is_one_line_from_the_launcher(section, text, line, tmp, capfd):
     """Real launches: the ranks' error once, without the launcher's report."""
     _command(text, line, tmp, capfd)
+

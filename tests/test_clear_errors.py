@@ -143,7 +143,7 @@ def test_a_deepspeed_warning_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0] == ("zeroshard train: warning: DeepSpeed config keys ignored by zeroshard: "
                       "fp16.loss_scale_window, zero_optimization.overlap_comm"), err
-    assert err[1:] == ["zeroshard train: error: nproc=0 must be a positive number"], err
+    assert err[1:] == ["zeroshard train: error: --nproc=0 must be a positive number"], err
 
 
 def test_plan_notes_every_written_file_on_stderr(tmp_path, capsys):

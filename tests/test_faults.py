@@ -91,7 +91,7 @@ def test_a_save_folder_that_cannot_be_written_stops_the_run_before_it_starts(tmp
     blocker.write_text("not a folder")
     code = main(["train", "--steps", "2", "--save-dir", str(blocker / "ckpt")])
     err = capsys.readouterr().err
-    assert code == 2 and "cannot be written" in err and "save_dir=" in err
+    assert code == 2 and "cannot be written" in err and "--save-dir=" in err
 
 
 def test_a_full_save_folder_is_named_with_what_a_checkpoint_needs(tmp_path):

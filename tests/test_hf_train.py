@@ -291,9 +291,9 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys, monkeypatch):
     assert "has no tokenizer" in _error(capsys, [*base, "--hf-model", str(tmp_path / "noweights"),
                                                  "--sample-chars", "8"])  # sampled by it
     model = ["--hf-model", str(root / "llama")]
-    assert "seq_len=65 is above LlamaForCausalLM's longest sequence, 64" in _error(
+    assert "--seq-len=65 is above LlamaForCausalLM's longest sequence, 64" in _error(
         capsys, [*base, *model, "--seq-len", "65", "--data", str(root / "text")])
-    assert "needs hf_model" in _error(capsys, [*base, "--data", str(root / "text")])
+    assert "needs --hf-model" in _error(capsys, [*base, "--data", str(root / "text")])
     # the data pipeline's errors, through the command
     (tmp_path / "empty.txt").write_text("")
     assert "holds no text" in _error(capsys, [*base, *model, "--data",

@@ -131,24 +131,25 @@ def test_config_file_flags_win(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--batch", "7", "--nproc", "2"], "batch=7 does not divide over 2 processes"),
-    (["--micro-batch", "3"], "micro_batch=3 does not divide the 8 sequences"),
-    (["--model", "huge"], "model='huge'; expected one of tiny, small, medium"),
+    (["--batch", "7", "--nproc", "2"], "--batch=7 does not divide over 2 processes"),
+    (["--micro-batch", "3"], "--micro-batch=3 does not divide the 8 sequences"),
+    (["--model", "huge"], "--model='huge'; expected one of tiny, small, medium"),
     (["--model", "tiny", "--hf-model", "/nonexistent"],
-     "model='tiny' is a built-in GPT preset and hf_model='/nonexistent' a model folder: "
+     "--model='tiny' is a built-in GPT preset and --hf-model='/nonexistent' a model folder: "
      "give one of them"),
-    (["--steps", "0"], "steps=0 must be a positive number"),
+    (["--steps", "0"], "--steps=0 must be a positive number"),
     (["--resume", "/nonexistent"], "/nonexistent: no such checkpoint folder"),
-    (["--init-from", "/nonexistent"], "init_from='/nonexistent': no such file"),
-    (["--stage", "5"], "error: stage=5 is not a ZeRO stage; expected 0, 1, 2 or 3"),
-    (["--mixed-precision", "fp8"], "mixed_precision='fp8' is not supported; expected None, "
+    (["--init-from", "/nonexistent"], "--init-from='/nonexistent': no such file"),
+    (["--stage", "5"], "error: --stage=5 is not a ZeRO stage; expected 0, 1, 2 or 3"),
+    (["--mixed-precision", "fp8"], "--mixed-precision='fp8' is not supported; expected None, "
                                    "'fp32', 'bf16' or a recipe name (bf16-mixed-adamw, "),
-    (["--precision", "fp8"], "mixed_precision='fp8' is not supported"),
-    (["--reduce-dtype", "fp16"], "reduce_dtype='fp16'; expected 'fp32' or 'bf16'"),
-    (["--units", "layers"], "units='layers'; expected 'blocks', 'model' or a parameter count"),
-    (["--units", "0"], "units=0 must be a positive parameter count"),
-    (["--prefetch", "-1"], "prefetch=-1 must be an integer >= 0"),
-    (["--reduce-bucket-size", "-5"], "reduce_bucket_size=-5 must be an integer >= 0"),
+    (["--precision", "fp8"], "--mixed-precision='fp8' is not supported"),
+    (["--reduce-dtype", "fp16"], "--reduce-dtype='fp16'; expected 'fp32' or 'bf16'"),
+    (["--units", "layers"], "--units='layers'; expected 'blocks', 'model' or a parameter "
+                            "count"),
+    (["--units", "0"], "--units=0 must be a positive parameter count"),
+    (["--prefetch", "-1"], "--prefetch=-1 must be an integer >= 0"),
+    (["--reduce-bucket-size", "-5"], "--reduce-bucket-size=-5 must be an integer >= 0"),
 ])
 def test_bad_flags_fail_before_launch(argv, message, capsys):
     assert main(["train", *argv]) == 2

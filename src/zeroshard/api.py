@@ -11,6 +11,7 @@ import dataclasses
 
 import torch.nn as nn
 
+from ._errorline import told_plainly
 from .runtime.model.sharded import ShardedModel
 from .spec.config import ZeroConfig
 
@@ -34,21 +35,31 @@ def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None
     if next(model.parameters(), None) is None:
         raise ValueError(f"zs.shard(): {type(model).__name__} has no parameters, so there is "
                          "nothing to shard; shard the module that holds the weights")
-    base = ZeroConfig.load(config) if config is not None else ZeroConfig()
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-    unknown = sorted(set(options) - set(fields))
-    if unknown:
-        raise ValueError(f"zs.shard() got unknown options {unknown}; accepted: "
-                         f"{sorted(fields)}")
-    if stage is not None:
-        options["stage"] = stage
-    if options:
-        base = ZeroConfig(**{**fields, **options})
-    sharded = ShardedModel(model, base, group, param_init, seed)
-    if base.profile:
-        from .observe.profiler import Profiler
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"zs.shard(): every parameter of {type(model).__name__} is frozen "
+                         "(requires_grad=False), so no backward or optimizer step can use it; "
+                         "unfreeze the ones to train (p.requires_grad_(True)) before zs.shard")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={_short(seed)}; expected an integer")
+    try:
+        base = ZeroConfig.load(config) if config is not None else ZeroConfig()
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise ValueError(f"zs.shard() got unknown options {unknown}; accepted: "
+                             f"{sorted(fields)}")
+        if stage is not None:
+            options["stage"] = stage
+        if options:
+            base = ZeroConfig(**{**fields, **options})
+        sharded = ShardedModel(model, base, group, param_init, seed)
+        if base.profile:
+            from .observe.profiler import Profiler
 
-        sharded.profiler = Profiler(sharded)
+            sharded.profiler = Profiler(sharded)
+    except ValueError as exc:  # a value with a non-ASCII letter, a pasted file: said so
+        exc.args = (told_plainly(str(exc)),)
+        raise
     return sharded
 
 

@@ -11,7 +11,7 @@ import importlib
 import sys
 import warnings
 
-from zeroshard._errorline import debugging, line_of
+from zeroshard._errorline import debugging, line_of, told_plainly
 from zeroshard._version import __version__
 
 # subcommand -> (module with add_arguments(parser) and run(args), one-line help); each
@@ -34,8 +34,19 @@ class _Parser(argparse.ArgumentParser):
     """Bad input is one line on stderr and exit code 2, never a usage dump."""
 
     def error(self, message: str):
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.stderr.write(f"{self.prog}: error: {told_plainly(message)}\n")
         raise SystemExit(2)
+
+
+def _no_empty_values(parser: argparse.ArgumentParser, args) -> None:
+    """A value given as an empty string (``--save-dir "$UNSET"``) means nothing to any
+    command: refused, naming the flag, rather than read as "not given" or as the current
+    folder."""
+    for action in parser._actions:
+        if getattr(args, action.dest, None) == "":
+            name = action.option_strings[-1] if action.option_strings else action.dest
+            out = f", or drop {name} for its default" if action.option_strings else ""
+            raise ValueError(f"{name}='' is empty (an unset shell variable?); give a value{out}")
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
@@ -52,7 +63,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
             mod = importlib.import_module(module)
             p.description = mod.__doc__
             mod.add_arguments(p)
-            p.set_defaults(_run=mod.run)
+            p.set_defaults(_run=mod.run, _parser=p)
     return parser
 
 
@@ -72,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not debugging():
         warnings.showwarning = _warning_line(command)
     try:
+        _no_empty_values(args._parser, args)
         return args._run(args) or 0
     except BrokenPipeError:  # e.g. `zeroshard plan --json | head`
         sys.stderr.close()

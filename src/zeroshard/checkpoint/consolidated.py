@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.dist import TORCH_DTYPES
+from .arguments import path_given, sharded_model
 from .exportdir import INDEX, SINGLE
 from .exportdir import check as check_out_dir
 from .exportdir import write as write_out_dir
@@ -116,6 +117,8 @@ def _weight_map(path: Path) -> dict[str, Path]:
 def load_pretrained(model, path: str | Path) -> None:
     """Initialise a ShardedModel from consolidated safetensors (a file, or a directory
     with ``model.safetensors`` or an index): each rank reads only the rows it keeps."""
+    sharded_model(model, "zs.load_pretrained()")
+    path_given(path, "zs.load_pretrained()", "a safetensors file or a folder of them")
     problem, plan = None, []
     try:
         wmap = _weight_map(Path(path))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.step.optim_state import attach
+from .arguments import path_given, sharded_model
 from .sharded import entries, read_manifest, resolve, verify, verify_contents
 from .tensorfile import TensorFile
 
@@ -55,6 +56,8 @@ def load(model, optimizer, path: str | Path) -> dict:
     """Load a checkpoint written by :func:`save` at any N and stage into ``model`` and
     ``optimizer``; return its ``extra``. ``path`` is a checkpoint or a directory with a
     ``latest`` pointer."""
+    sharded_model(model, "zs.load()")
+    path_given(path, "zs.load()")
     rank, world = model.mesh.shard_rank, model.mesh.shard_world  # (replicas read alike)
     problem, manifest, ckpt, plan = None, None, None, []
     try:

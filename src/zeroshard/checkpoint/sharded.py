@@ -35,7 +35,9 @@ import torch.distributed as dist
 from ..runtime.step.optim_state import attach
 from ..runtime.unit.layout import dim0_chunk
 from ..runtime.unit.readout import held_rows
-from .foreign import refuse_deepspeed
+from .arguments import check_save, said
+from .foreign import refuse_foreign
+from .sanity import check_manifest, pointed
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
 FORMAT = "zeroshard-checkpoint"
@@ -103,16 +105,16 @@ def resolve(path: str | Path) -> Path:
     if (path / MANIFEST).exists():
         return path
     if (path / LATEST).exists():
-        named = path / (path / LATEST).read_text().strip()
+        named = path / pointed(path / LATEST)
         old = named.with_name(named.name + ".old")
         if not (named / MANIFEST).exists() and (old / MANIFEST).exists():
             # a save that overwrote ``named`` was stopped between moving the old copy
             # aside and moving the new one in (``_publish``): the old copy is complete
             return old
         if not (named / MANIFEST).exists():
-            refuse_deepspeed(path)
+            refuse_foreign(path)
         return named
-    refuse_deepspeed(path)
+    refuse_foreign(path)
     raise ValueError(f"{path} is not a zeroshard checkpoint: no {MANIFEST} and no {LATEST} "
                      "pointer")
 
@@ -127,6 +129,7 @@ def read_manifest(ckpt: Path) -> dict:
     if missing:
         raise ValueError(f"{ckpt / MANIFEST}: the manifest lacks {missing} (damaged, or "
                          "written by another program)")
+    check_manifest(manifest, ckpt / MANIFEST)
     return manifest
 
 
@@ -145,6 +148,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
 
     Under hybrid sharding the ranks of the first shard group write (rows by their place
     in the group, K files); the replica groups hold the same rows and write nothing."""
+    check_save(model, optimizer, path, extra)  # extra agreed by every rank: JSON, or refused
     rank, world = model.mesh.shard_rank, model.mesh.shard_world
     writer = model.mesh.replica_rank == 0
     attach(model.stepper, optimizer)  # its state dict speaks DTensor from now on
@@ -162,9 +166,8 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     problem, files = None, None
     try:
         files = _write_rows(model, optimizer, partial, rank, world) if writer else None
-    except OSError as exc:
-        problem = (f"rank {model.mesh.dp_rank}: {exc.filename or partial}: "
-                   f"{exc.strerror or exc}")
+    except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
+        problem = f"rank {model.mesh.dp_rank}: {said(exc, partial)}"
     _agree_saved(model, problem, partial)
     every = [None] * model.mesh.dp_world
     dist.all_gather_object(every, files, group=model.mesh.dp_group)
@@ -172,8 +175,8 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     if model.mesh.dp_rank == 0:
         try:
             _publish(model, optimizer, path, partial, [f for f in every if f], extra or {})
-        except OSError as exc:
-            problem = f"{exc.filename or path}: {exc.strerror or exc}"
+        except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
+            problem = said(exc, path)
     _agree_saved(model, problem, partial)
     return path
 

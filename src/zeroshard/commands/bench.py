@@ -24,6 +24,17 @@ from ..runtime.spawn import spawn
 from ..train.granularity import measure
 
 
+def _fits(args) -> None:
+    """Refuse a --batch or --nproc whose ranks cannot fit this machine's memory (the
+    trainer's check, ``train/hostmem.py``, on the same model at stage 3)."""
+    from ..train import hostmem
+    from ..train.config import TrainConfig
+    from ..train.hfmodel import BuiltinGPT
+
+    cfg = TrainConfig(nproc=args.nproc, model=args.model, batch=args.batch, sample_chars=0)
+    hostmem.check(cfg, BuiltinGPT(cfg), spell=lambda name: f"--{name}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=("granularity",), help="the benchmark to run")
     p.add_argument("--model", default="small", help="GPT preset (default small)")
@@ -47,6 +58,7 @@ def run(args) -> int:
                          "profiled, the rest are timed)")
     if args.out:
         folder("--out", args.out)
+    _fits(args)
     res = spawn(measure, args.nproc, args.model, args.steps, args.batch, args.out, timeout=900)[0]
     plain_ms = res.pop("_plain_ms")
     t = Table(title=f"unit granularity: GPT {args.model}, stage 3, N = {args.nproc}, global "

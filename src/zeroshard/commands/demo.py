@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._host import PROCESS_BYTES, available_bytes, gb
 from ..demo import experiment
 from ..runtime.spawn import spawn
 
@@ -26,6 +27,7 @@ def run(args) -> int:
     for name in ("nproc", "steps", "params"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name}={getattr(args, name)} must be positive")
+    _fits(args.nproc, args.params)
     ranks = spawn(experiment, args.nproc, args.params, args.steps, timeout=300)
     w = ranks[0]["weights"]
     n, p = args.nproc, args.params
@@ -38,3 +40,29 @@ def run(args) -> int:
           f"(P = {p}, N = {n})")
     print(f"  gradient floats held across all ranks: DDP {grads[0]}, ZeRO-2 {grads[2]}")
     return 0
+
+
+def _per_rank(n: int, p: int) -> int:
+    """A lower bound of one rank's bytes (``demo.experiment``): every rank draws the data
+    of all ``n`` ranks (16 rows each of P fp32 features), the true weights, and for each
+    stage the weights, a gradient and Adam's two moments, and keeps each stage's full
+    weights to compare."""
+    return PROCESS_BYTES + 4 * p * (16 * n + 1 + 4 + 4)
+
+
+def _fits(n: int, p: int) -> None:
+    """Refuse --nproc and --params whose ranks cannot all fit this machine's memory."""
+    have = available_bytes()
+    need = n * _per_rank(n, p)
+    if have is None or need <= have:
+        return
+    what = f"about {gb(need)} of this machine's memory ({gb(need / n)} on each of {n} ranks)"
+    if n * _per_rank(n, 1) > have:
+        most = 1
+        while (most + 1) * _per_rank(most + 1, 1) <= have:
+            most += 1
+        raise ValueError(f"--nproc={n} needs {what}; {gb(have)} is available: --nproc="
+                         f"{most} is the most that fit")
+    most = (have // n - PROCESS_BYTES) // (4 * (16 * n + 9))
+    raise ValueError(f"--params={p} needs {what}; {gb(have)} is available: --params={most} is "
+                     "the largest that fits")

@@ -16,6 +16,7 @@ example:
 from __future__ import annotations
 
 import argparse
+import math
 import resource
 
 from ..checkpoint.consolidated import export
@@ -36,10 +37,13 @@ def parse_size(text: str) -> int:
     try:
         value = float(number) * _UNITS[suffix]
     except ValueError:
-        raise ValueError(f"--max-shard-size={text!r}; expected a size such as 500MB or 5GB") \
-            from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"--max-shard-size={text!r}; expected a size such as 500MB or 5GB")
     if value <= 0:
         raise ValueError(f"--max-shard-size={text!r} must be positive")
+    if value < 1:
+        raise ValueError(f"--max-shard-size={text!r} is less than a byte")
     return int(value)
 
 
@@ -54,10 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    most = parse_size(args.max_shard_size)  # a flag's value before any file is read
     source = trained_from(args.ckpt)
     if source is not None:
         check_export(source, args.out)
-    layout = export(args.ckpt, args.out, args.dtype, parse_size(args.max_shard_size))
+    layout = export(args.ckpt, args.out, args.dtype, most)
     copied = carry_over(source, args.out, args.dtype) if source is not None else []
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     count = sum(len(v) for v in layout.values())

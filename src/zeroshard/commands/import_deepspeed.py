@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 import resource
 
+#: Most rank files --world writes (the most ranks zeroshard plans for).
+MOST_RANK_FILES = 1 << 20
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="a DeepSpeed save folder (with `latest`) or one tag folder "
@@ -34,6 +37,8 @@ def run(args) -> int:
 
     if args.world is not None and args.world < 1:
         raise ValueError(f"--world={args.world}: expected a number of rank files >= 1")
+    if args.world is not None and args.world > MOST_RANK_FILES:
+        raise ValueError(f"--world={args.world}: at most {MOST_RANK_FILES:,} rank files")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     m = import_deepspeed(args.dir, args.out, tag=args.tag, world=args.world)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from .._paths import output_file
 from ..plan import render
+from ..plan.advice import MAX_PARAMS
 from ..plan.arch import PRESETS, Architecture, ModelSpec, get_preset
 from ..plan.comm import uses_zeropp
 from ..plan.hfconfig import KINDS, from_hf_config
@@ -36,8 +36,7 @@ from ..spec.formulas import QUANT_BLOCK, SUB_GROUP_SIZE
 from ..spec.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..spec.rules import OFFLOADS
 from . import plan_output, plan_time
-
-_DIM_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
+from .plan_checks import DIM_FLAGS, check_flags, sweep_counts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve_model(args) -> ModelSpec:
     """The model from exactly one source; contradictory flags are an error."""
-    dims = [f for f in _DIM_FLAGS if getattr(args, f) is not None] + (["tied"] if args.tied else [])
+    dims = [f for f in DIM_FLAGS if getattr(args, f) is not None] + (["tied"] if args.tied else [])
     flag = lambda f: "--" + f.replace("_", "-")  # noqa: E731
     if args.model and args.hf_config:
         raise ValueError("--model and --hf-config contradict each other; give one")
@@ -163,38 +162,6 @@ def resolve_model(args) -> ModelSpec:
             "custom", args.hidden, args.layers, args.heads, args.ffn, args.vocab,
             kv_heads=args.kv_heads, tied=args.tied))
     return ModelSpec.from_arch(PRESETS["llama2-7b"])
-
-
-def _positive(name: str, value) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"--{name}={value} must be positive")
-
-
-def check_flags(args) -> None:
-    """Flag values that are wrong whatever else is asked, found before any work."""
-    for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", "checkpoint_every",
-                 "gpu_step", *_DIM_FLAGS):
-        _positive(name.replace("_", "-"), getattr(args, name))
-    if args.checkpoint_every is not None and args.no_checkpointing:
-        raise ValueError("--checkpoint-every and --no-checkpointing contradict each other")
-    plan_time.check(args)
-    if args.offload_dir and not (args.offload or args.recommend):
-        raise ValueError("--offload-dir keeps the offloaded optimizer state on disk: add "
-                         "--offload optimizer (or params), or --recommend (which offloads "
-                         "only when nothing fits)")
-    if args.sub_group_size is not None and not args.offload_dir:
-        raise ValueError(f"--sub-group-size={args.sub_group_size} sizes disk offload's "
-                         "step: add --offload-dir")
-    _positive("sub-group-size", args.sub_group_size)
-    if args.gpu_step is not None and not args.min_gpus:
-        raise ValueError("--gpu-step only applies with --min-gpus")
-    zeropp = args.hpz is not None or args.quantize_weights or args.quantize_grads
-    if not zeropp and args.quant_block != QUANT_BLOCK:
-        raise ValueError(f"--quant-block={args.quant_block} needs --quantize-weights or "
-                         "--quantize-grads")
-    for flag in ("html", "plot"):  # an output file's folder must exist and take writes
-        if getattr(args, flag) is not None:
-            output_file(f"--{flag}", getattr(args, flag))
 
 
 def plan_config(args) -> ZeroConfig:
@@ -241,19 +208,6 @@ def _check_for_table(args, config: ZeroConfig) -> None:
                          f"{'--min-gpus' if args.min_gpus else '--sweep'}")
 
 
-def _sweep(spec: str | None) -> list[int] | None:
-    if spec is None:
-        return None
-    try:
-        counts = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(
-            f"--sweep={spec!r} must be comma-separated GPU counts, e.g. 8,16,32") from None
-    if not counts or any(n <= 0 for n in counts):
-        raise ValueError(f"--sweep={spec!r} must list positive GPU counts, e.g. 8,16,32")
-    return counts
-
-
 def _plan_table(args, model: ModelSpec, config: ZeroConfig, budget: int, unit: int,
                 sweep: list[int] | None) -> None:
     """Every strategy of ``config`` on the flags' layout: the table (or JSON), and with
@@ -281,8 +235,11 @@ def run(args) -> int:
         render.models(PRESETS)
         return 0
     check_flags(args)
-    sweep = _sweep(args.sweep)
+    sweep = sweep_counts(args.sweep)
     model, config = resolve_model(args), plan_config(args)
+    if model.params > MAX_PARAMS:  # a model given by its dimensions or a config.json
+        raise ValueError(f"the model has {model.params:,} parameters, more than the planner "
+                         f"plans: at most {MAX_PARAMS:,}")
     unit = 2**30 if args.gib else 10**9
     budget = int(args.gpu_mem * unit)
     if args.html:

@@ -126,7 +126,7 @@ def text_out(args, model, dims, config, work, budget, shown, unit, r: Result) ->
         render.zeropp_line(config, r.plans, shown, unit, args.gib)
     render.line("peak per GPU (the largest of the loss's backward, a unit's backward "
                 "and the optimizer step): " + "; ".join(
-                    f"{p.strategy} {q.bytes / unit:.2f} at the {q.moment}"
+                    f"{p.strategy} {render._fmt(q.bytes, unit)} at the {q.moment}"
                     for p, q in zip(r.plans, r.peaks) if p.strategy in shown))
     if r.fit is None:
         plain = _plain(config)

@@ -9,6 +9,7 @@ applies to the memory plan as well, and so does ``--shard-group`` (hybrid shardi
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..plan.hardware import (
     ACCELERATORS,
@@ -88,8 +89,9 @@ def check(args) -> None:
         raise ValueError(f"--headroom={args.headroom} must be a fraction in [0, 1)")
     for name in ("host_bandwidth", "disk_bandwidth"):
         v = getattr(args, name)
-        if v is not None and v <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}={v} must be positive")
+        if v is not None and not 0 < v < math.inf:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be a positive, finite "
+                             "number of GB/s")
     if args.disk_bandwidth is not None and not args.offload_dir:
         raise ValueError(f"--disk-bandwidth={args.disk_bandwidth} prices disk offload: add "
                          "--offload-dir")

@@ -31,7 +31,7 @@ from dataclasses import fields, replace
 
 from .._errorline import DEBUG
 from ..spec.config import ZeroConfig
-from ..train import job
+from ..train import flags, job, launchenv
 from ..train.config import TrainConfig, engine_keys, resolve
 
 #: How each engine field (ZeroConfig's) shows as a flag named after it (mixed_precision:
@@ -141,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="DIR", help="profile two steps (turns on the engine's "
                                                     "profiler): trace, lifetime chart, peak "
                                                     "and plan against measurement")
+    p.add_argument("--max-skipped", type=int, metavar="K",
+                   help=f"stop after K steps in a row skipped for non-finite gradients "
+                        f"(default {d.max_skipped})")
     p.add_argument("--keep-last", type=int, metavar="K",
                    help="keep only the K checkpoints saved last in --save-dir (default: all)")
     p.add_argument("--config", metavar="FILE", help="JSON settings or a DeepSpeed config")
@@ -158,7 +161,11 @@ def _config(args) -> TrainConfig:
 
 
 def run(args) -> int:
-    cfg = job.handed_over() or _config(args)  # flags checked before anything launches
-    if job.on_a_rank():  # a rank: of this command's launcher, or of torchrun
-        return job.run_rank(cfg)
-    return job.launch(cfg, debug=args.debug)
+    with flags.named(args):  # bad input names the flag typed (or the --config key)
+        cfg = job.handed_over()
+        if cfg is None:  # the command itself, or a rank of torchrun
+            launchenv.check(job.on_a_rank())  # RANK, WORLD_SIZE... left from another launch
+            cfg = _config(args)  # flags checked before anything launches
+        if job.on_a_rank():  # a rank: of this command's launcher, or of torchrun
+            return job.run_rank(cfg)
+        return job.launch(cfg, debug=args.debug)

@@ -18,8 +18,12 @@ from .layout import stages_taking
 from .memory import STRATEGIES, Workload, plan_strategy
 from .offload import host_step_bytes, owned, pcie_bytes
 
-#: Largest GPU count :func:`min_gpus` searches.
+#: Largest GPU count :func:`min_gpus` searches, and the most ``zeroshard plan`` plans.
 MAX_GPUS = 1 << 20
+
+#: Most parameters ``zeroshard plan`` plans: 10^15, some 500 times the largest published
+#: models, and below where its byte counts (16 per parameter) leave float64's exact range.
+MAX_PARAMS = 10**15
 
 
 def floor_bytes(model: ModelSpec, config: ZeroConfig) -> int:
@@ -120,12 +124,19 @@ def why_none_fits(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, budg
         return (f"nothing fits in shard groups of {shard_group} on {gpus} GPUs, nor does "
                 "ZeRO-3 over all of them; " + why_none_fits(model, ParallelDims(gpus), plain,
                                                              budget, work))
-    need = min_gpus(model, replace(config.at_stage(3), shard_group=None), budget, work)
+    zero3 = replace(config.at_stage(3), shard_group=None)
+    need = min_gpus(model, zero3, budget, work)
     if need.gpus is None:
-        return (
-            "nothing fits: even ZeRO-3 tends to its activations alone, which are above the "
-            f"budget of {budget:,} bytes; shorten the micro-batch or checkpoint activations"
-        )
+        most = plan_strategy(model, ParallelDims(MAX_GPUS), zero3, work, budget)
+        if most.activations is not None and most.activations > budget:
+            return (
+                "nothing fits: even ZeRO-3 tends to its activations alone, which are above "
+                f"the budget of {budget:,} bytes; shorten the micro-batch or checkpoint "
+                "activations"
+            )
+        return (f"nothing fits: even ZeRO-3 on {MAX_GPUS:,} GPUs, the most the planner "
+                f"searches, needs {most.total:,} bytes per GPU, above the budget of "
+                f"{budget:,}")
     return f"nothing fits on {gpus} GPUs; ZeRO-3 fits from {need.gpus} GPUs"
 
 

@@ -14,8 +14,16 @@ def _console() -> Console:
     return Console(width=max(shutil.get_terminal_size((120, 24)).columns, 110), highlight=False)
 
 
+#: From this many units on (a billion GB) a figure is written in powers of ten, so that
+#: a table column keeps it whole (format.js's ``bytes`` does the same).
+HUGE = 1e9
+
+
 def _fmt(value: int | None, unit: int, decimals: int = 2) -> str:
-    return "n/a" if value is None else f"{value / unit:.{decimals}f}"
+    if value is None:
+        return "n/a"
+    x = value / unit
+    return f"{x:.{decimals}e}" if abs(x) >= HUGE else f"{x:.{decimals}f}"
 
 
 def line(text: str) -> None:

@@ -24,8 +24,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     agent hosts the store, rank 0 serves the rendezvous store on loopback only and gloo
     is kept to the loopback interface. ``timeout_s`` bounds every wait in every group
     (the engine's groups inherit it). Calling it again is a no-op."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            0 < timeout_s <= 1e9):
+        raise ValueError(f"timeout_s={timeout_s!r}; expected a finite number of seconds > 0 "
+                         "(at most 1e9)")
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    _check_rank_environment()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("gloo", "nccl"):
@@ -52,6 +57,27 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     else:
         dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _check_rank_environment() -> None:
+    """The variables that make this process a rank of a job (torchrun's), checked before
+    they are used: each named when it is missing, not a number or out of range, so
+    leftovers from another launch are not a wait for ranks that never come."""
+    env = os.environ
+    if "RANK" not in env:
+        return
+    set_here = ", ".join(f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                     "MASTER_ADDR", "MASTER_PORT") if k in env)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        if key in env and not env[key].strip().isdigit():
+            raise ValueError(f"{key}={env[key]!r} in the environment must be an integer")
+    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing or not int(env["RANK"]) < int(env["WORLD_SIZE"]):
+        problem = (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+                   if missing else "RANK is not below WORLD_SIZE")
+        raise ValueError(f"{set_here} in the environment make this process a rank of a job, "
+                         f"but {problem}: start every rank with torchrun, or unset RANK and "
+                         "WORLD_SIZE (left from an earlier launch?) for a group of one")
 
 
 _LISTENERS: list = []  # sockets whose descriptors a store server listens on

@@ -37,6 +37,16 @@ class RankFailure(RuntimeError):
         super().__init__(message)
         self.tracebacks = tracebacks
 
+    def one_line(self) -> str:
+        """The failure in one line (a command's error line): the first failing rank's
+        error, the last line of its traceback, rather than every rank's traceback."""
+        if not self.tracebacks:
+            return str(self)
+        rank = min(self.tracebacks)
+        last = [x for x in self.tracebacks[rank].strip().splitlines() if x.strip()][-1:]
+        return (f"{len(self.tracebacks)} rank(s) failed; rank {rank}: "
+                f"{last[0].strip() if last else 'no traceback'}")
+
 
 def _worker(call, rank, world_size, store_path, backend, timeout, results, threads):
     import torch

@@ -160,7 +160,7 @@ class ZeroConfig:
     the same definition the planner computes bytes from."""
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+        if type(self.stage) is not int or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; expected 0, 1, 2 or 3")
         given = isinstance(self.mixed_precision, Recipe)
         name = self.mixed_precision if given else _PRECISION.get(self.mixed_precision,
@@ -262,7 +262,7 @@ class ZeroConfig:
             return config
         if isinstance(config, dict):
             return cls.from_dict(config)
-        if isinstance(config, (str, Path)):
+        if isinstance(config, (str, Path)) and str(config).strip():
             return cls.from_dict(read_json_object(config, "config"))
         raise ValueError(f"config={config!r}; expected a ZeroConfig, a dict or a JSON file path")
 

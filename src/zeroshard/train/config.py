@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from .._jsonfile import read_json_object
-from ..models.gpt import PRESETS
 from ..runtime.step.scaler import GradScaler
 from ..spec.config import ZeroConfig, is_deepspeed
 from ..spec.deepspeed import SCALER_KEYS
+from .checks import check_values
 
 
 def processes(n: int) -> str:
@@ -30,10 +30,6 @@ _ALIASES = {"precision": "mixed_precision"}
 #: The engine's settings under the trainer: ZeroConfig's defaults, except that a step
 #: with non-finite gradients is skipped (and counted) rather than raised.
 TRAIN_ZERO = ZeroConfig(nonfinite="skip")
-
-#: What each annotated type accepts, in the words of an error.
-_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-          "str": ((str,), "a string"), "dict": ((dict,), "a JSON object")}
 
 
 @dataclass(frozen=True)
@@ -125,28 +121,7 @@ class TrainConfig:
     reaches it, and a run that cannot go on ends in minutes rather than torch's 30."""
 
     def __post_init__(self) -> None:
-        _check_types(self)
-
-        def positive(name, allow_none=False):
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive number")
-
-        for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout",
-                     "max_skipped"):
-            positive(name)
-        for name in ("micro_batch", "clip", "warmup", "save_every", "keep_last", "seq_len"):
-            positive(name, allow_none=True)
-        if self.data and not self.hf_model:
-            raise ValueError(f"data={self.data!r} needs hf_model: the built-in GPT reads bytes "
-                             "of its built-in corpus; give --hf-model DIR to train on your text")
-        if not 0 < self.val_fraction <= 0.5:
-            raise ValueError(f"val_fraction={self.val_fraction!r} is outside (0, 0.5]; give "
-                             "the share of the data held out for validation, e.g. 0.05")
-        if self.model not in PRESETS:
-            raise ValueError(f"model={self.model!r}; expected one of {', '.join(PRESETS)}")
+        check_values(self)
         zero = self.zero if isinstance(self.zero, ZeroConfig) else ZeroConfig.load(self.zero)
         units = zero.units
         if units == "model":
@@ -162,16 +137,6 @@ class TrainConfig:
         if (units, self.profile is not None) != (zero.units, zero.profile):
             zero = replace(zero, units=units, profile=self.profile is not None)
         object.__setattr__(self, "zero", zero)
-        if self.resume == "latest" and not self.save_dir:
-            raise ValueError("resume='latest' needs save_dir")
-        if (self.keep_last or self.save_every) and not self.save_dir:
-            raise ValueError(f"{'keep_last' if self.keep_last else 'save_every'} needs "
-                             "save_dir, the folder the checkpoints go to")
-        if self.resume and self.init_from:
-            raise ValueError("resume and init_from contradict each other; give one")
-        for name in ("sample_chars", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
     def accumulation(self, world: int) -> tuple[int, int]:
         """(micro-batch per process, micro-batches per step) at ``world`` processes."""
@@ -197,21 +162,6 @@ class TrainConfig:
         """Our JSON keys: the trainer's fields, and the engine's (ZeroConfig's) at top
         level or under "zero"."""
         return _build(TRAIN_ZERO, *_split(d, where))
-
-
-def _check_types(cfg: TrainConfig) -> None:
-    """A ValueError naming the first trainer field whose value is not of its annotated
-    type (JSON gives strings where numbers belong, numbers where paths do)."""
-    for f in fields(cfg):
-        if f.name == "zero":
-            continue
-        value, kinds = getattr(cfg, f.name), [k.strip() for k in f.type.split("|")]
-        if value is None and "None" in kinds:
-            continue
-        accepted = [_TYPES[k] for k in kinds if k in _TYPES]
-        if not any(isinstance(value, t) and not isinstance(value, bool) for t, _ in accepted):
-            words = " or ".join([w for _, w in accepted] + (["null"] if "None" in kinds else []))
-            raise ValueError(f"{f.name}={value!r} must be {words}")
 
 
 #: The DeepSpeed keys the trainer honours on top of the engine's

@@ -61,13 +61,28 @@ def recorded(folder: str | Path) -> dict[int, dict]:
 
 def told(folder: str | Path, failures: dict[int, tuple[int, str]], first: int) -> tuple[str, int]:
     """The launcher's line and exit code for a failed run (``failures``: rank -> (exit
-    code, signal name or "")): a rank's own error, preferring one whose message is the
-    whole story (a rank that lost its peer when another failed reports an unexpected
-    type, with the debug hint) and then the rank that failed first; without any, what
-    the launcher saw."""
+    code, signal name or "")): a rank's own error whose message is the whole story;
+    else a rank killed by a signal it did not send itself, first (the others' errors then
+    only say they lost it, like gloo's "Connection reset by peer"), the rank the launcher
+    saw fail first preferred, and SIGTERM last (the launcher sends it to the rest);
+    else a rank's unexpected error; else what the launcher saw."""
     lines = recorded(folder)
+    whole = {r: e for r, e in lines.items() if DEBUG not in e["line"]}
+    if whole:
+        rank = min(whole, key=lambda r: (r != first, r))
+        return whole[rank]["line"], int(whole[rank]["code"])
+    killed = [r for r, (code, signal) in failures.items() if signal and r not in lines]
+    if killed:
+        rank = min(killed, key=lambda r: (failures[r][1] == "SIGTERM", r != first, r))
+        others = sorted((set(lines) | set(failures)) - {rank})
+        after = (f"; {'rank' if len(others) == 1 else 'ranks'} "
+                 f"{', '.join(map(str, others))} then stopped, having lost it") if others else ""
+        return (f"zeroshard train: error: rank {rank} was killed by {failures[rank][1]} "
+                f"without an error of its own (out of memory, or killed from outside?){after}"
+                f"; --debug or {DEBUG}=1 for every rank's traceback and the launcher's "
+                "report"), 1
     if lines:
-        rank = min(lines, key=lambda r: (DEBUG in lines[r]["line"], r != first, r))
+        rank = min(lines, key=lambda r: (r != first, r))
         return lines[rank]["line"], int(lines[rank]["code"])
     code, signal = failures[first]
     how = f"was killed by {signal}" if signal else f"exited with code {code}"

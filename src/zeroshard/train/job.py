@@ -29,8 +29,8 @@ CONFIG_ENV = "ZEROSHARD_TRAIN_CONFIG"
 
 def handed_over() -> TrainConfig | None:
     """On a rank started by ``launch``: the settings it handed over; None elsewhere."""
-    if CONFIG_ENV not in os.environ:
-        return None
+    if CONFIG_ENV not in os.environ or failure.ERROR_DIR not in os.environ:
+        return None  # (a variable left in a shell from a rank's environment is not ours)
     return TrainConfig.from_dict(json.loads(os.environ[CONFIG_ENV]), CONFIG_ENV)
 
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -40,14 +41,26 @@ def train(cfg: TrainConfig) -> dict:
             if save_due(cfg, step + 1):
                 save(run, step + 1)
             if run.log:
-                run.log.write(json.dumps(record) + "\n")
-                run.log.flush()
+                _log(run, record)
     finally:
         run.out.stop()
         run.board.close()
         if run.log:
-            run.log.close()
+            with contextlib.suppress(OSError):  # (a log that failed is told by _log)
+                run.log.close()
     return finish(run)
+
+
+def _log(run: Run, record: dict) -> None:
+    """The step's line in the JSON log, written through: a log that cannot be written
+    any more (a full disk) stops the run, naming it and the step."""
+    try:
+        run.log.write(json.dumps(record) + "\n")
+        run.log.flush()
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror or exc} at step {record['step']}, so the run "
+                      "stopped there (checkpoints saved before it are complete)",
+                      f"--json-log={run.cfg.json_log}") from None
 
 
 def lr_lambda(cfg: TrainConfig):

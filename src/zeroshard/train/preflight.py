@@ -1,4 +1,5 @@
-"""Every path of a ``zeroshard train`` run, checked before any process starts.
+"""Every path of a ``zeroshard train`` run, and the memory its processes need, checked
+before any process starts.
 
 A path that cannot serve the run used to be found where it was first used: a
 ``--profile`` folder that is a file after every step had been trained, a ``--json-log``
@@ -14,6 +15,7 @@ import contextlib
 from pathlib import Path
 
 from .._paths import folder, output_file
+from . import hostmem
 from .config import TrainConfig
 from .resume import checkpoint_to_resume
 
@@ -119,4 +121,5 @@ def check(cfg: TrainConfig, source=None):
                 from None
     if cfg.tensorboard:
         tensorboard(cfg.tensorboard)
+    hostmem.check(cfg, source)  # the processes' bytes against this machine's memory
     return _save_dir(cfg, shapes)

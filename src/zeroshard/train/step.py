@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -66,7 +67,7 @@ def train_step(run: Run, step: int) -> dict:
     scaler.update()
     run.scheduler.step()
     optimizer.zero_grad()
-    loss_value = global_mean(step_loss, run.world)
+    loss_value = _loss_and_weights(run, step_loss, step)
     _count_skipped(run, step + 1)
     dt = time.perf_counter() - t0
     run.losses.append(loss_value)
@@ -94,6 +95,28 @@ def _micro_batches(run: Run, step: int) -> torch.Tensor:
         run.scaler.scale(loss).backward()
         step_loss += loss.detach().float()
     return step_loss
+
+
+def _loss_and_weights(run: Run, step_loss: torch.Tensor, step: int) -> float:
+    """The step's mean loss over ranks; in the same all-reduce, the non-finite values
+    the step left in the weights, which stop the run at the step that made them (a run
+    whose weights end non-finite has trained nothing worth keeping)."""
+    bad = sum((~torch.isfinite(p.detach())).sum() for p in run.model.parameters())
+    t = torch.stack([step_loss.detach().double().reshape(()),
+                     torch.as_tensor(bad, dtype=torch.float64, device=step_loss.device)])
+    dist.all_reduce(t)
+    loss, count = t[0].item() / run.world, int(t[1].item())
+    if count:
+        if step == run.start and not math.isfinite(loss):
+            when = (f"before step {step + 1} (its loss is {loss}): the run started from "
+                    "non-finite weights")
+        else:
+            when = f"in the update of step {step + 1} (its loss was {loss:.4g})"
+        raise FloatingPointError(
+            f"the weights became non-finite {when}; {count:,} values are nan or inf, so the "
+            f"run stopped there, saving nothing of them. Lower --lr (it is {run.cfg.lr:g}), "
+            "check the data, or resume the last checkpoint")
+    return loss
 
 
 def _read_memory_during_the_step(run: Run) -> None:

@@ -15,10 +15,13 @@ const Format = (() => {
     return (n / 10 ** decimals).toFixed(decimals);
   }
 
-  // render._fmt: "n/a" for an unknown figure.
+  // render._fmt: "n/a" for an unknown figure; from a billion units on, powers of ten
+  // written as Python writes them (1.60e+13: two exponent digits at least).
   function bytes(value, unit, decimals = 2) {
     if (value == null) return "n/a";
-    return fixed(Number(value) / unit, decimals);
+    const x = Number(value) / unit;
+    if (Math.abs(x) >= 1e9) return x.toExponential(decimals).replace(/e([+-])(\d)$/, "e$10$2");
+    return fixed(x, decimals);
   }
 
   // render.plan_table's "vs DDP" column.

@@ -276,9 +276,15 @@ Planner.whyNoneFits = function whyNoneFits(model, recipe, gpus, budget, work, sh
   }
   const need = Planner.minGpus(model, recipe, "ZeRO-3", budget, work);
   if (need.gpus == null) {
-    return "nothing fits: even ZeRO-3 tends to its activations alone, which are above the "
-      + `budget of ${Format.count(budget)} bytes; `
-      + "shorten the micro-batch or checkpoint activations";
+    const most = Planner.planStrategy(model, DATA.max_gpus, recipe, "ZeRO-3", work, budget);
+    if (most.activations != null && most.activations > budget) {
+      return "nothing fits: even ZeRO-3 tends to its activations alone, which are above the "
+        + `budget of ${Format.count(budget)} bytes; `
+        + "shorten the micro-batch or checkpoint activations";
+    }
+    return `nothing fits: even ZeRO-3 on ${Format.count(DATA.max_gpus)} GPUs, the most the `
+      + `planner searches, needs ${Format.count(most.total)} bytes per GPU, above the budget `
+      + `of ${Format.count(budget)}`;
   }
   return `nothing fits on ${gpus} GPUs; ZeRO-3 fits from ${need.gpus} GPUs`;
 };

@@ -28,6 +28,7 @@ shrink, so once spent every further overflow in a row halves the scale.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -44,16 +45,23 @@ class GradScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  hysteresis: int = 1, min_scale: float = 1.0, enabled: bool = True,
                  dynamic: bool = True):
-        for name, value, ok in (("init_scale", init_scale, init_scale > 0),
-                                ("growth_factor", growth_factor, growth_factor > 1),
-                                ("backoff_factor", backoff_factor, 0 < backoff_factor < 1),
-                                ("growth_interval", growth_interval, growth_interval >= 1),
-                                ("hysteresis", hysteresis, hysteresis >= 1),
-                                ("min_scale", min_scale, min_scale > 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok:
+        def finite_above(low):
+            return lambda v: low < v < math.inf
+
+        def count(v):
+            return isinstance(v, int) and v >= 1
+
+        for name, value, ok in (("init_scale", init_scale, finite_above(0)),
+                                ("growth_factor", growth_factor, finite_above(1)),
+                                ("backoff_factor", backoff_factor, lambda v: 0 < v < 1),
+                                ("growth_interval", growth_interval, count),
+                                ("hysteresis", hysteresis, count),
+                                ("min_scale", min_scale, finite_above(0))):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"GradScaler: {name}={value!r} is out of range (init_scale, "
-                                 "min_scale > 0; growth_factor > 1; 0 < backoff_factor < 1; "
-                                 "growth_interval, hysteresis >= 1)")
+                                 "min_scale finite and > 0; growth_factor finite and > 1; "
+                                 "0 < backoff_factor < 1; growth_interval, hysteresis "
+                                 "integers >= 1)")
         self.model, self.enabled, self.dynamic = model, enabled, dynamic
         self._deepspeed: dict | None = None  # DeepSpeed's rule: its counters, else None
         self._scale = float(init_scale)

@@ -1,0 +1,77 @@
+"""The ``zeroshard plan`` flags checked before any work: each value on its own (positive,
+finite, within what the planner plans), the flags that contradict each other, and the
+output files' folders."""
+
+from __future__ import annotations
+
+import math
+
+from .._paths import output_file
+from ..plan.advice import MAX_GPUS, MAX_PARAMS
+from ..spec.formulas import QUANT_BLOCK
+from . import plan_time
+
+#: The model's dimension flags (``--hidden`` ...), each a positive count.
+DIM_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
+
+#: Most memory per GPU in GB that --gpu-mem takes (a thousand times today's largest).
+MAX_GPU_MEM = 10**6
+
+
+def _positive(name: str, value) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"--{name}={value} must be positive")
+
+
+def _at_most(name: str, value, most: int, what: str) -> None:
+    if value is not None and value > most:
+        raise ValueError(f"--{name}={value} is more than {what}: at most {most:,}")
+
+
+def check_flags(args) -> None:
+    """Flag values that are wrong whatever else is asked, found before any work."""
+    for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", "checkpoint_every",
+                 "gpu_step", *DIM_FLAGS):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    if not math.isfinite(args.gpu_mem):
+        raise ValueError(f"--gpu-mem={args.gpu_mem} must be a finite number of GB per GPU")
+    _at_most("gpu-mem", args.gpu_mem, MAX_GPU_MEM, "any accelerator holds (GB per GPU)")
+    for name in ("gpus", "gpu_step", "gpus_per_node"):
+        _at_most(name.replace("_", "-"), getattr(args, name), MAX_GPUS, "the planner plans")
+    _at_most("params", args.params, MAX_PARAMS, "the planner plans (500 times the largest "
+             "published models)")
+    if args.checkpoint_every is not None and args.no_checkpointing:
+        raise ValueError("--checkpoint-every and --no-checkpointing contradict each other")
+    plan_time.check(args)
+    if args.offload_dir and not (args.offload or args.recommend):
+        raise ValueError("--offload-dir keeps the offloaded optimizer state on disk: add "
+                         "--offload optimizer (or params), or --recommend (which offloads "
+                         "only when nothing fits)")
+    if args.sub_group_size is not None and not args.offload_dir:
+        raise ValueError(f"--sub-group-size={args.sub_group_size} sizes disk offload's "
+                         "step: add --offload-dir")
+    _positive("sub-group-size", args.sub_group_size)
+    if args.gpu_step is not None and not args.min_gpus:
+        raise ValueError("--gpu-step only applies with --min-gpus")
+    zeropp = args.hpz is not None or args.quantize_weights or args.quantize_grads
+    if not zeropp and args.quant_block != QUANT_BLOCK:
+        raise ValueError(f"--quant-block={args.quant_block} needs --quantize-weights or "
+                         "--quantize-grads")
+    for flag in ("html", "plot"):  # an output file's folder must exist and take writes
+        if getattr(args, flag) is not None:
+            output_file(f"--{flag}", getattr(args, flag))
+
+
+def sweep_counts(spec: str | None) -> list[int] | None:
+    """``--sweep``'s GPU counts (None when not given)."""
+    if spec is None:
+        return None
+    try:
+        counts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--sweep={spec!r} must be comma-separated GPU counts, e.g. 8,16,32") from None
+    if not counts or any(n <= 0 for n in counts):
+        raise ValueError(f"--sweep={spec!r} must list positive GPU counts, e.g. 8,16,32")
+    _at_most("sweep", max(counts), MAX_GPUS, "the planner plans")
+    return counts
