@@ -189,3 +189,11 @@ def owner_bytes(shapes: list[tuple[int, int]], world: int, rank: int, item: int,
         else:
             scatter += (shape[0] - (b - a)) * shape[1] * ORTHO_BYTES
     return {"owner_gather": gather, "owner_scatter": scatter}
+
+
+def whole_state(optimizer: str, key: str, ndim: int) -> bool:
+    """Whether optimizer state ``key`` of a parameter of ``ndim`` dimensions is the same
+    whole tensor on every rank rather than rows: Adafactor's column statistic of a
+    matrix (its dim -2 is dim 0, summed over every rank's rows). Checkpoints keep such a
+    state whole instead of slicing it."""
+    return optimizer == "Adafactor" and key == "col_var" and ndim == 2
