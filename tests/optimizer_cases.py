@@ -272,3 +272,15 @@ def misuse_grid():
                           if name == "ddp" else wrapped.full_state_dict())
         out[("part", stage)] = (cases.max_rel_diff(runs[stage], runs["ddp"]), runs["state"])
     return out
+
+
+def lamb_example():
+    """``examples/lamb.py``'s experiment on these ranks: DDP, naive slicing, ZeRO-1."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lamb.py"
+    spec = importlib.util.spec_from_file_location("lamb_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.experiment(10, 20)

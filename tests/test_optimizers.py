@@ -21,7 +21,8 @@ def _grid2(root):
     return {"parity": oc.parity_grid(MODELS, ("muon", "adafactor"), (1, 2, 3)),
             "lamb": oc.parity_grid(["gpt"], ["lamb"], (2,)),
             "features": oc.features_grid(), "ledger": oc.ledger_grid(),
-            "checkpoint": oc.checkpoint_grid(root), "misuse": oc.misuse_grid()}
+            "checkpoint": oc.checkpoint_grid(root), "misuse": oc.misuse_grid(),
+            "example": oc.lamb_example()}
 
 
 def _grid4(root):
@@ -52,6 +53,19 @@ def test_within_1e6_of_ddp_at_stages_1_to_3_n2(grid2, model, kind):
 
 def test_lamb_is_exact_on_shards(grid2):
     assert grid2["lamb"][("gpt", "lamb", 2)]["ddp"] < TOL, grid2["lamb"]
+
+
+def test_the_lamb_example_answers_the_source_documents_question(grid2):
+    """examples/lamb.py: LAMB sliced naively (each rank its rows' norms) is not DDP;
+    with the norms all-reduced ZeRO-1 is DDP bit for bit, for one all-reduce of two fp64
+    sums per parameter a step."""
+    import torch
+
+    r = grid2["example"]
+    assert (r["ddp"] - r["naive"]).abs().max().item() > 1e-4, r
+    assert torch.equal(r["ddp"], r["zero1"]), r
+    assert "cannot tell whether NaiveLamb" in r["naive warned"][0]
+    assert r["zero1 step bytes"]["all_reduce"] == {"calls": 1, "bytes": 16}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3, "hybrid"])
