@@ -44,9 +44,11 @@ def _batch(model_name, step, micro, micros, replicated):
 
 def train(model_name: str, stage, kind: str, steps: int = STEPS, precision=None,
           shard_group=None, clip: float | None = None, micros: int = 1, offload=None,
-          replicated: bool = False, net=None, opts=None, start: int = 0, group=None):
+          replicated: bool = False, net=None, opts=None, start: int = 0, group=None,
+          check: bool = False):
     """Train with zeroshard (stage 0-3) or torch DDP (stage "ddp") under optimizers of
-    ``kind``; return the full weights, the model and the optimizers."""
+    ``kind``; return the full weights, the model and the optimizers. ``check``: the
+    collectives' fingerprints (off where only the numbers are asked about)."""
     if net is None:
         model = cases.build(model_name)
         if stage == "ddp":
@@ -55,7 +57,7 @@ def train(model_name: str, stage, kind: str, steps: int = STEPS, precision=None,
         else:
             net = zs.shard(model, stage=stage, mixed_precision=precision, group=group,
                            shard_group=shard_group, offload=offload,
-                           config={"check_collectives": False})
+                           config={"check_collectives": check})
             opts = make_optimizers(kind, net.named_parameters())
     for step in range(start, start + steps):
         for micro in range(micros):
@@ -131,7 +133,7 @@ def ledger_grid():
     for kind in ("muon", "adafactor"):
         for stage in range(4):
             for precision in (None, "bf16"):
-                _, net, opts = train("mlp", stage, kind, 1, precision=precision)
+                _, net, opts = train("mlp", stage, kind, 1, precision=precision, check=True)
                 net.comm_stats(reset=True)
                 train("mlp", stage, kind, 1, net=net, opts=opts, start=1)
                 config = dataclasses.replace(

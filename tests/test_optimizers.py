@@ -28,6 +28,8 @@ def _grid2(root):
 def _grid4(root):
     return {"muon": oc.parity_grid(MODELS, ("muon",), (1, 2, 3, "hybrid"), replicated=True),
             "adafactor": oc.parity_grid(MODELS, ("adafactor",), (1, 2, 3, "hybrid")),
+            "distinct": oc.cases.bit_equal(oc.train("gpt", 3, "muon")[0],
+                                           oc.train("gpt", 0, "muon")[0]),
             "reshard": oc.reshard_grid(root)}
 
 
@@ -84,6 +86,12 @@ def test_within_1e6_of_ddp_n4(grid4, model, kind, stage):
     assert r["ddp"] < TOL, r
     if kind == "muon":
         assert r["ddp"] == 0.0, r
+
+
+def test_muon_n4_on_each_ranks_own_batch_is_stage_0_bit_for_bit(grid4):
+    """Four different gradients summed alike at every stage (zeroshard's own order):
+    stage 3's owners orthogonalise the same matrices as torch's Muon at stage 0."""
+    assert grid4["distinct"]
 
 
 def test_features(grid2):
