@@ -53,7 +53,6 @@ def _train(net, opts, steps: int, rows: slice):
 
 
 def _rank(steps: int) -> dict:
-    import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
