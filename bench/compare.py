@@ -4,7 +4,8 @@
     python bench/compare.py --preset tiny --steps 4 --impl zeroshard-3,ddp,fsdp2-reshard
 
 Every implementation trains the built-in GPT benchmark preset from the same initial
-weights on the same global batches (AdamW, fp32), each in fresh processes:
+weights on the same global batches (AdamW, fp32; ``--optimizer muon`` or ``adafactor``
+instead), each in fresh processes:
 zeroshard stages 0-3; torch DDP; DDP + ZeroRedundancyOptimizer; FSDP2 ``fully_shard``
 per block with ``reshard_after_forward`` True and False; DeepSpeed stages 1-3 when it
 is installed (``pip install deepspeed``; on CPU it runs with DS_ACCELERATOR=cpu over
@@ -50,7 +51,7 @@ def _state(impl, net, model, opt) -> int:
     import torch
 
     if impl.startswith("zeroshard"):
-        mem = net.memory(opt)
+        mem = net.memory(getattr(opt, "opts", opt))
         return mem["params"] + mem["grads"] + mem["optimizer"] + mem["padding"]
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
     grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters()
@@ -61,15 +62,64 @@ def _state(impl, net, model, opt) -> int:
     return _bytes(local) + _bytes(grads) + _bytes(states)
 
 
+#: ``--optimizer``: AdamW everywhere (the default), Muon for the 2-D parameters with
+#: AdamW for the rest (torch's documented use), or Adafactor
+OPTIMIZERS = ("adamw", "muon", "adafactor")
+#: Muon's learning rate (Keller Jordan's; torch's docs use it too)
+MUON_LR = 0.02
+
+
+class Optimizers:
+    """Several torch optimizers over disjoint parameters, stepped as one."""
+
+    def __init__(self, opts):
+        self.opts = opts
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self):
+        for o in self.opts:
+            o.zero_grad()
+
+    def register_step_pre_hook(self, hook):
+        return self.opts[0].register_step_pre_hook(lambda o, a, k: hook(self, a, k))
+
+    @property
+    def state(self) -> dict:
+        return {p: s for o in self.opts for p, s in o.state.items()}
+
+
+def make_optimizer(kind: str, named, lr: float):
+    """``kind``'s optimizer over ``named`` (name, parameter) pairs: AdamW at ``lr``;
+    Muon (at ``MUON_LR``) for the 2-D parameters and AdamW for the rest; Adafactor."""
+    import torch
+
+    params = [p for _, p in named if p.requires_grad]
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if kind == "muon":
+        return Optimizers([torch.optim.Muon([p for p in params if p.ndim == 2], lr=MUON_LR),
+                           torch.optim.AdamW([p for p in params if p.ndim != 2], lr=lr)])
+    if kind == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr)
+    raise ValueError(f"optimizer {kind!r}; expected one of {', '.join(OPTIMIZERS)}")
+
+
 def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
-          reduce_bucket_size: int | None = None):
+          reduce_bucket_size: int | None = None, optimizer: str = "adamw"):
     """Wrap ``model`` (on every rank, from the same weights) as implementation ``impl``.
 
     Returns ``(net, optimizer, engine, comm)``: ``net(x, y)`` gives the loss; ``engine``
     is DeepSpeed's (which runs backward and step itself) or None; ``comm`` is the bytes
     an anchor sends per rank per step in ring accounting (None for zeroshard, whose
     ledger counts them). ``prefetch`` and ``reduce_bucket_size`` are zeroshard's
-    (None: the engine's defaults)."""
+    (None: the engine's defaults). ``optimizer``: one of ``OPTIMIZERS`` (DeepSpeed and
+    ZeroRedundancyOptimizer take AdamW only here)."""
+    if optimizer != "adamw" and impl.startswith(("deepspeed", "ddp+zero")):
+        raise ValueError(f"{impl} is built with AdamW only; --optimizer {optimizer} runs "
+                         "zeroshard, ddp, fsdp2 and limit")
     import torch
     import torch.distributed as dist
 
@@ -93,13 +143,13 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
         elif impl.endswith("-hpz2"):  # ZeRO++ hpZ: backward gathers in groups of 2
             options["secondary_group"] = 2
         net = zs.shard(model, stage=int(impl.split("-")[1]), **options)
-        opt = torch.optim.AdamW(net.parameters(), lr=lr)
+        opt = make_optimizer(optimizer, net.named_parameters(), lr)
     elif impl in ("ddp", "ddp+zero"):
         from torch.nn.parallel import DistributedDataParallel
 
         net = DistributedDataParallel(model)
         if impl == "ddp":
-            opt = torch.optim.AdamW(model.parameters(), lr=lr)
+            opt = make_optimizer(optimizer, model.named_parameters(), lr)
             comm = ring_all_reduce(4 * P, world)
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -120,7 +170,7 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        net, opt = model, torch.optim.AdamW(model.parameters(), lr=lr)
+        net, opt = model, make_optimizer(optimizer, model.named_parameters(), lr)
         comm = (3 if reshard else 2) * ring_one_way(4 * P, world)
         if mesh is not None:  # inside the pairs: gathers and reduce-scatters; across:
             # one all-reduce of each reduced half
@@ -140,7 +190,7 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
         net = engine
         comm = (3 if stage == 3 else 2) * ring_one_way(4 * P, world)
     elif impl == "limit":
-        net, opt = model, torch.optim.AdamW(model.parameters(), lr=lr)
+        net, opt = model, make_optimizer(optimizer, model.named_parameters(), lr)
         comm = 0
     else:
         raise ValueError(f"unknown implementation {impl!r}")
@@ -149,7 +199,7 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
 
 
 def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int,
-          prefetch: int | None = None) -> dict:
+          prefetch: int | None = None, optimizer: str = "adamw") -> dict:
     import torch
     import torch.distributed as dist
 
@@ -163,7 +213,7 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int,
     heap = HeapPeak().start()  # sampled through the untimed warm-up steps only
     torch.manual_seed(0)
     model = GPT(cfg)
-    net, opt, engine, comm = build(impl, model, lr, batch, prefetch)
+    net, opt, engine, comm = build(impl, model, lr, batch, prefetch, optimizer=optimizer)
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     if impl == "limit":  # one process standing in for one rank: its local micro-batch
         rows = slice(0, batch // ranks)
@@ -252,6 +302,9 @@ def main() -> None:
                         "rounds are pooled (default 2)")
     p.add_argument("--prefetch", type=int, metavar="K",
                    help="zeroshard's stage-3 prefetch depth (default: the engine's, 1)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="the optimizer every implementation steps (default adamw; muon: "
+                        f"Muon at lr {MUON_LR} for the 2-D parameters, AdamW for the rest)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
     if a.rounds < 1:
@@ -273,7 +326,7 @@ def main() -> None:
             n = 1 if impl == "limit" else a.nproc
             try:
                 r = spawn(_rank, n, impl, a.preset, a.steps, a.batch, a.lr, a.nproc,
-                          a.prefetch, timeout=900)[0]
+                          a.prefetch, a.optimizer, timeout=900)[0]
             except RankFailure as exc:
                 r = {"error": str(exc).splitlines()[-1][:120]}
             runs[impl].append(r)

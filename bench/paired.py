@@ -20,6 +20,14 @@ steps within one run, not between runs), and both losses after the last step, wh
 agree: both members train the same function (a pair whose losses differ is reported, and
 the command exits with status 1).
 
+A member may name its optimizer, ``IMPL@OPTIMIZER`` (``compare.OPTIMIZERS``; the rest
+take ``--optimizer``): ``zeroshard-2@muon:zeroshard-2@adamw`` times Muon's step
+(Muon for the 2-D parameters, AdamW for the rest) against AdamW's, and
+``zeroshard-2@muon:fsdp2-noreshard@muon`` against FSDP2 stepping torch's Muon on its
+local shards. Members with different optimizers train different functions, and FSDP2's
+Muon orthogonalises each rank's rows instead of each matrix: their losses are reported,
+not required to agree.
+
 Memory is not reported: two models share each process (``compare.py`` measures it).
 DeepSpeed is left to ``compare.py`` too: its engine is built for one per process. Each
 pair runs in fresh processes; implementation names are ``compare.py``'s. A pair of one
@@ -34,7 +42,7 @@ import random
 import statistics
 import time
 
-from compare import WARMUP, build
+from compare import OPTIMIZERS, WARMUP, build
 
 TARGETS = ["zeroshard-0:ddp", "zeroshard-1:ddp+zero", "zeroshard-2:fsdp2-noreshard",
            "zeroshard-3:fsdp2-reshard"]
@@ -56,9 +64,11 @@ def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, corpus = get_preset(preset), Corpus.builtin()
     members = []
-    for impl in pair:
+    for member in pair:
+        impl, optimizer = member.split("@")
         torch.manual_seed(0)  # the same initial weights for both
-        net, opt, _, _ = build(impl, GPT(cfg), lr, batch, reduce_bucket_size=bucket)
+        net, opt, _, _ = build(impl, GPT(cfg), lr, batch, reduce_bucket_size=bucket,
+                               optimizer=optimizer)
         members.append((net, opt))
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     times: list[list[float]] = [[], []]
@@ -81,7 +91,29 @@ def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
         final = loss.double().reshape(1)
         dist.all_reduce(final)
         finals.append(final.item() / world)
-    return {"times": [t[WARMUP:] for t in times], "loss": finals}
+    return {"times": [t[WARMUP:] for t in times], "loss": finals,
+            "owner": [_owner_bytes(net, m, steps) for (net, _), m in zip(members, pair)]}
+
+
+def _owner_bytes(net, member: str, steps: int) -> dict | None:
+    """A zeroshard member under Muon: the owner-computes bytes rank 0 sent per step, as
+    its ledger measured them and as the planner counts them (``plan/optimizer.py``)."""
+    if not member.startswith("zeroshard") or not member.endswith("@muon"):
+        return None
+    import dataclasses
+
+    from zeroshard.plan.arch import ModelSpec
+    from zeroshard.plan.optimizer import owner_comm
+    from zeroshard.spec.dims import ParallelDims
+
+    sent = net.comm_stats()
+    config = dataclasses.replace(net.zero_config,
+                                 mixed_precision=net.zero_config.recipe.with_optimizer("muon"))
+    planned = owner_comm(list(ModelSpec.from_module(net.module).shapes),
+                         ParallelDims(net.mesh.dp_world, shard=net.mesh.shard_world),
+                         config, rank=net.mesh.shard_rank)
+    return {"measured": sum(sent.get(k, {}).get("bytes", 0) for k in planned) / steps,
+            "planned": sum(planned.values())}
 
 
 def paired_ratio(a: list[float], b: list[float], resamples: int = 2000,
@@ -97,15 +129,26 @@ def paired_ratio(a: list[float], b: list[float], resamples: int = 2000,
             medians[int(0.975 * resamples) - 1])
 
 
-def _parse_pairs(text: str) -> list[tuple[str, str]]:
+def _parse_pairs(text: str, optimizer: str = "adamw") -> list[tuple[str, str]]:
+    """``A:B`` pairs, each member ``IMPL`` or ``IMPL@OPTIMIZER``, as ``IMPL@OPTIMIZER``."""
     pairs = []
     for item in text.split(","):
-        parts = item.split(":")
-        if len(parts) != 2 or not set(parts) <= PAIRABLE:
+        parts = [m if "@" in m else f"{m}@{optimizer}" for m in item.split(":")]
+        impls = {m.split("@")[0] for m in parts}
+        opts = {m.split("@", 1)[1] for m in parts}
+        if len(parts) != 2 or not impls <= PAIRABLE or not opts <= set(OPTIMIZERS):
             raise ValueError(f"pair {item!r} must be two implementations 'A:B' "
-                             f"from {sorted(PAIRABLE)}")
+                             f"from {sorted(PAIRABLE)}, each optionally '@' one of "
+                             f"{', '.join(OPTIMIZERS)}")
         pairs.append((parts[0], parts[1]))
     return pairs
+
+
+def same_function(pair: tuple[str, str]) -> bool:
+    """Whether a pair's members must train the same function: one optimizer, and not a
+    non-elementwise one stepped by FSDP2 (which steps each rank's local shard)."""
+    (a, oa), (b, ob) = (m.split("@") for m in pair)
+    return oa == ob and (oa == "adamw" or not any(i.startswith("fsdp2") for i in (a, b)))
 
 
 def main() -> None:
@@ -124,12 +167,14 @@ def main() -> None:
     p.add_argument("--reduce-bucket-size", type=int, metavar="ELEMENTS",
                    help="zeroshard's reduce_bucket_size (default: the engine's, one "
                         "reduction per unit)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="the optimizer of members that name none (default adamw)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
     if a.reduce_bucket_size is not None and a.reduce_bucket_size < 0:
         p.error(f"--reduce-bucket-size={a.reduce_bucket_size} must be >= 0")
     try:
-        pairs = _parse_pairs(a.pairs)
+        pairs = _parse_pairs(a.pairs, a.optimizer)
     except ValueError as exc:
         p.error(str(exc))
     if a.steps <= WARMUP:
@@ -142,16 +187,22 @@ def main() -> None:
         mid, lo, hi = paired_ratio(ta, tb)
         la, lb = r["loss"]
         same = abs(la - lb) <= LOSS_TOL * max(1.0, abs(lb))
-        if not same:
+        if not same and same_function(pair):
             differ.append(pair)
-        results.append({"pair": list(pair), "median_ms": [statistics.median(ta) * 1e3,
-                                                          statistics.median(tb) * 1e3],
+        name = [m.removesuffix("@adamw") for m in pair]
+        results.append({"pair": name, "median_ms": [statistics.median(ta) * 1e3,
+                                                    statistics.median(tb) * 1e3],
                         "ratio": mid, "ci95": [lo, hi], "loss": r["loss"], "steps": len(ta),
-                        "times_s": [ta, tb]})
-        print(f"{pair[0]:12} {statistics.median(ta) * 1e3:7.1f} ms  against {pair[1]:16} "
+                        "times_s": [ta, tb], "owner_bytes_per_step": r["owner"]})
+        print(f"{name[0]:18} {statistics.median(ta) * 1e3:7.1f} ms  against {name[1]:22} "
               f"{statistics.median(tb) * 1e3:7.1f} ms  ratio {mid:.3f}x "
               f"(95% {lo:.3f}-{hi:.3f}, {len(ta)} steps)  "
-              f"loss {la:.6f} / {lb:.6f}{'' if same else '  LOSSES DIFFER'}", flush=True)
+              f"loss {la:.6f} / {lb:.6f}"
+              f"{'' if same or not same_function(pair) else '  LOSSES DIFFER'}", flush=True)
+        for member, owner in zip(name, r["owner"]):
+            if owner is not None:
+                print(f"  {member}: owner computes sent {owner['measured']:,.0f} bytes a step "
+                      f"from rank 0 (planned {owner['planned']:,})", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"args": vars(a), "results": results}, fh, indent=1)

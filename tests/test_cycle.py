@@ -72,8 +72,12 @@ def test_misuse_is_one_clear_error(grid):
         assert "after loss.backward() returns" in msg
         kind, msg = m[("backward_in_step", stage)]
         assert "a backward pass began while the model is in state 'step'" in msg, msg
+        # optimizers over disjoint parameters step one cycle (Muon and AdamW, as here
+        # AdamW and SGD); one holding a parameter another stepped is refused
+        assert m[("disjoint_optimizers", stage)] is None
         kind, msg = m[("two_optimizers", stage)]
-        assert kind == "NotImplementedError" and "Put every parameter in one optimizer" in msg
+        assert kind == "NotImplementedError" and "stepped already since the last backward" in msg
+        assert "Give each parameter to one optimizer" in msg
         assert m[("after_refusal", stage)] == "idle"
 
 

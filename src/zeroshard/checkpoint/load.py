@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from ..runtime.step.optim_state import attach
 from .arguments import path_given, sharded_model
+from .optstate import optimizers
 from .sharded import entries, read_manifest, resolve, verify, verify_contents
 from .tensorfile import TensorFile
 
@@ -54,8 +56,8 @@ def _agree(model, problem: str | None) -> None:
 
 def load(model, optimizer, path: str | Path) -> dict:
     """Load a checkpoint written by :func:`save` at any N and stage into ``model`` and
-    ``optimizer``; return its ``extra``. ``path`` is a checkpoint or a directory with a
-    ``latest`` pointer."""
+    ``optimizer`` (one, or the list saved); return its ``extra``. ``path`` is a
+    checkpoint or a directory with a ``latest`` pointer."""
     sharded_model(model, "zs.load()")
     path_given(path, "zs.load()")
     rank, world = model.mesh.shard_rank, model.mesh.shard_world  # (replicas read alike)
@@ -86,7 +88,8 @@ def load(model, optimizer, path: str | Path) -> dict:
         problem = f"{ckpt or path}: {type(exc).__name__}: {exc}"
     _agree(model, problem)
     _apply(model, optimizer, ckpt, manifest, plan, rank, world)
-    attach(model.stepper, optimizer)  # its state dict speaks DTensor from now on
+    for o in optimizers(optimizer):  # their state dicts speak DTensor from now on
+        attach(model.stepper, o)
     return manifest["extra"]
 
 
@@ -106,18 +109,25 @@ def _check_contents(ckpt: Path, manifest: dict, model, needed: set[str]) -> str 
     return None
 
 
+def _groups(optimizer) -> list[dict]:
+    """Every param group of ``optimizer`` (one, or a list), in order."""
+    return [g for o in optimizers(optimizer) for g in o.param_groups]
+
+
 def _check_groups(manifest, model, optimizer, ckpt) -> str | None:
     saved = (manifest.get("optimizer") or {}).get("param_groups")
+    classes = "+".join(type(o).__name__ for o in optimizers(optimizer))
     if saved is None:
-        return f"{ckpt}: saved without an optimizer, cannot restore {type(optimizer).__name__}"
+        return f"{ckpt}: saved without an optimizer, cannot restore {classes}"
     names = {id(s): n for n, s in model.named_shards()}
-    if len(saved) != len(optimizer.param_groups):
-        return (f"{ckpt}: {len(saved)} optimizer param groups saved, the optimizer has "
-                f"{len(optimizer.param_groups)}")
+    groups = _groups(optimizer)
+    if len(saved) != len(groups):
+        return (f"{ckpt}: {len(saved)} optimizer param groups saved, the optimizer "
+                f"({classes}) has {len(groups)}")
     # frozen parameters have no state: which group lists them does not matter (DeepSpeed
     # leaves them out of its groups, a torch optimizer built from parameters() keeps them)
     frozen = {n for n, p in manifest["params"].items() if not p.get("trainable", True)}
-    for k, (g, s) in enumerate(zip(optimizer.param_groups, saved)):
+    for k, (g, s) in enumerate(zip(groups, saved)):
         if ([n for p in g["params"] if (n := names[id(p)]) not in frozen]
                 != [n for n in s["params"] if n not in frozen]):
             return f"{ckpt}: optimizer param group {k} holds other parameters than saved"
@@ -140,18 +150,23 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
             if optimizer is None or not e.trainable or not pieces:
                 continue  # (no pieces: this rank holds no rows of the parameter)
             f = opened(pieces[0][0])
+            whole = set(json.loads(f.metadata.get("whole", "[]")))
             state = {}
             for full_key in [k for k in f.keys() if k.startswith(e.name + "::")]:
                 key = full_key.split("::", 1)[1]
-                if not f.shape(full_key):  # a scalar such as Adam's step
-                    state[key] = f.rows(full_key)
+                if not f.shape(full_key) or full_key in whole:  # a step count; a whole one
+                    state[key] = f.rows(full_key).to(e.shard.device)
                     continue
                 rows = [opened(fname).rows(full_key, fa, fb) for fname, fa, fb, _, _ in pieces]
-                state[key] = torch.cat(rows).reshape(e.shard.shape).to(e.shard.device)
+                state[key] = torch.cat(rows).reshape(
+                    e.count, *f.shape(full_key)[1:]).to(e.shard.device)
             if state:
-                optimizer.state[e.shard] = state
+                holder = next((o for o in optimizers(optimizer) if any(
+                    p is e.shard for g in o.param_groups for p in g["params"])), None)
+                if holder is not None:
+                    holder.state[e.shard] = state
         if optimizer is not None:
-            for g, s in zip(optimizer.param_groups, manifest["optimizer"]["param_groups"]):
+            for g, s in zip(_groups(optimizer), manifest["optimizer"]["param_groups"]):
                 for k, v in s.items():
                     if k != "params":
                         g[k] = tuple(v) if isinstance(g.get(k), tuple) else v

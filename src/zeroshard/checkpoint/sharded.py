@@ -3,7 +3,9 @@
 [Note: format] A checkpoint is a directory of one ``rankNNNNN.safetensors`` per rank and
 a ``manifest.json``. Tensors are keyed by original parameter name: ``name`` holds the
 fp32 master rows (the weights themselves when there is no master; the compute weights
-for a frozen parameter), ``name::key`` the optimizer state ``key`` for those rows, and
+for a frozen parameter), ``name::key`` the optimizer state ``key`` for those rows (a
+step count as a scalar; a state that is the same on every rank, as Adafactor's column
+statistic of a matrix, whole, listed in the file's ``whole`` metadata), and
 every file records which rows ``[a, b)`` of each full parameter it holds. Rank r of N
 writes rows ``[r·c, r·c + c)``, c = ceil(rows / N) — its shard, or at stage 0 the rows it
 would own — so saving never gathers and the format depends on neither the stage nor
@@ -37,6 +39,7 @@ from ..runtime.unit.layout import dim0_chunk
 from ..runtime.unit.readout import held_rows
 from .arguments import check_save, said
 from .foreign import refuse_foreign
+from .optstate import optimizers, state_layout, state_of
 from .sanity import check_manifest, pointed
 from .tensorfile import fsync_dir, sha256_file, write_tensors
 
@@ -86,14 +89,6 @@ def entries(model) -> list[_Entry]:
     return [by_name[n] for n, _ in model.named_shards()]
 
 
-def _state(optimizer, shard) -> dict:
-    return {} if optimizer is None else optimizer.state.get(shard, {})
-
-
-def _per_element(value, shard) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == shard.shape
-
-
 def resolve(path: str | Path) -> Path:
     """A checkpoint directory, or the one a directory's ``latest`` pointer names (the
     pointer file itself may be given: ``runs/ckpt/latest``)."""
@@ -138,8 +133,9 @@ class SaveFailed(OSError):
 
 
 def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
-    """Write a checkpoint of ``model`` (a ShardedModel) and ``optimizer`` to directory
-    ``path``, every rank its own rows in parallel; move ``latest`` beside it last.
+    """Write a checkpoint of ``model`` (a ShardedModel) and ``optimizer`` (one, or a list
+    over disjoint parameters: Muon and AdamW) to directory ``path``, every rank its own
+    rows in parallel; move ``latest`` beside it last.
     ``extra`` (JSON) is stored in the manifest and returned by :func:`load`.
 
     A failure on any rank (a full disk, a folder made read-only) is one
@@ -151,7 +147,8 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     check_save(model, optimizer, path, extra)  # extra agreed by every rank: JSON, or refused
     rank, world = model.mesh.shard_rank, model.mesh.shard_world
     writer = model.mesh.replica_rank == 0
-    attach(model.stepper, optimizer)  # its state dict speaks DTensor from now on
+    for o in optimizers(optimizer):  # their state dicts speak DTensor from now on
+        attach(model.stepper, o)
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     model.synchronize()
@@ -197,7 +194,8 @@ def _agree_saved(model, problem: str | None, partial: Path) -> None:
 def _write_rows(model, optimizer, partial: Path, rank: int, world: int) -> dict:
     """This rank's file of the checkpoint: the rows it owns of every parameter and of
     its optimizer state, its RNG state, and (rank 0) the buffers."""
-    plan, rows = [], {}
+    plan, rows, whole = [], {}, []
+    opts = optimizers(optimizer)
     for e in entries(model):
         a, b = own_rows(e.rows, rank, world)
         if a == b:
@@ -205,12 +203,16 @@ def _write_rows(model, optimizer, partial: Path, rank: int, world: int) -> dict:
         rows[e.name] = [a, b]
         plan.append((e.name, (b - a, *e.shape[1:]), e.source.dtype,
                      lambda e=e, a=a, b=b: e.local(a, b).reshape(b - a, *e.shape[1:])))
-        for key, value in _state(optimizer, e.shard).items():
-            if _per_element(value, e.shard):
-                plan.append((f"{e.name}::{key}", (b - a, *e.shape[1:]), value.dtype,
-                             lambda v=value, e=e, a=a, b=b: v.reshape(v.shape[0] if v.dim()
-                                                                      else 1, -1)
-                             [a - e.first:b - e.first].reshape(b - a, *e.shape[1:])))
+        owner, state = state_of(opts, e.shard)
+        for key, value in state.items():
+            layout = state_layout(owner, key, value, e)
+            if layout == "rows":
+                plan.append((f"{e.name}::{key}", (b - a, *value.shape[1:]), value.dtype,
+                             lambda v=value, e=e, a=a, b=b: v.reshape(v.shape[0], -1)
+                             [a - e.first:b - e.first].reshape(b - a, *v.shape[1:])))
+            elif layout == "whole":  # alike on every rank: each file keeps a copy
+                whole.append(f"{e.name}::{key}")
+                plan.append((whole[-1], tuple(value.shape), value.dtype, lambda v=value: v))
             elif torch.is_tensor(value) or isinstance(value, (int, float)):
                 t = torch.as_tensor(value)
                 plan.append((f"{e.name}::{key}", (), t.dtype, lambda t=t: t))
@@ -220,14 +222,16 @@ def _write_rows(model, optimizer, partial: Path, rank: int, world: int) -> dict:
         for name, buf in model.module.named_buffers():
             plan.append((f"{name}::buffer", tuple(buf.shape), buf.dtype, lambda b=buf: b))
     fname = f"rank{rank:05d}.safetensors"
-    sha, size = write_tensors(str(partial / fname), plan, {"rows": json.dumps(rows)})
+    sha, size = write_tensors(str(partial / fname), plan,
+                              {"rows": json.dumps(rows), "whole": json.dumps(whole)})
     return {"file": fname, "sha256": sha, "bytes": size, "rows": rows}
 
 
 def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
     names = {id(s): n for n, s in model.named_shards()}
     groups = []
-    for g in (optimizer.param_groups if optimizer is not None else []):
+    opts = optimizers(optimizer)
+    for g in (g for o in opts for g in o.param_groups):
         hyper = {k: v for k, v in g.items() if k != "params"
                  and isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
         groups.append({**hyper, "params": [names[id(p)] for p in g["params"]]})
@@ -242,8 +246,9 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         "nonpersistent": sorted(
             f"{prefix}.{n}" if prefix else n for prefix, m in model.module.named_modules()
             for n in getattr(m, "_non_persistent_buffers_set", ())),
-        "optimizer": None if optimizer is None else {"class": type(optimizer).__name__,
-                                                     "param_groups": groups},
+        # several optimizers: their classes in order, their groups one after another
+        "optimizer": None if not opts else {
+            "class": "+".join(type(o).__name__ for o in opts), "param_groups": groups},
         "files": {f["file"]: {k: f[k] for k in ("sha256", "bytes", "rows")} for f in files},
         "extra": extra,
     }

@@ -33,6 +33,7 @@ from ..plan.memory import STRATEGIES, Workload, stage_of
 from ..spec.config import PLANNED_DISK, ZeroConfig
 from ..spec.dims import ParallelDims
 from ..spec.formulas import QUANT_BLOCK, SUB_GROUP_SIZE
+from ..spec.optimizers import OPTIMIZERS
 from ..spec.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..spec.rules import OFFLOADS
 from . import plan_output, plan_time
@@ -69,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--precision", default=DEFAULT_RECIPE, metavar="RECIPE",
                    help=f"one of {', '.join(RECIPES)}, or custom bytes W/G/O "
                         f"(default {DEFAULT_RECIPE})")
+    h.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
+                   help="the optimizer state to plan (default: the recipe's, adamw): muon "
+                        "(Muon for the 2-D parameters, AdamW for the rest: one fp32 moment "
+                        "per matrix element, and the owner-computes bytes per step), "
+                        "adafactor (a row and a column statistic per matrix), lamb, sgd")
     h.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"),
                    help="dtype gradients travel in (default: the recipe's gradient dtype)")
     h.add_argument("--offload", choices=OFFLOADS,
@@ -172,6 +178,8 @@ def plan_config(args) -> ZeroConfig:
     (``PLANNED_DISK``: the planner asks where, never which folder). With ``--strategy``
     ZeRO++ is checked at that stage exactly as asked, in the engine's words."""
     recipe = get_recipe(args.precision)
+    if args.optimizer:
+        recipe = recipe.with_optimizer(args.optimizer)
     if args.reduce_dtype:
         recipe = recipe.with_reduce_dtype(args.reduce_dtype)
     zeropp = dict(secondary_group=args.hpz, quantize_weights=args.quantize_weights,

@@ -218,6 +218,9 @@ class ModelSpec:
     """The full architecture when known: the activation model of its family, the output
     layer and loss, and the real root and block sizes. None (a bare count): the source
     documents' Korthikanti et al. constants and units of P / L."""
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    """Every parameter's shape, where the optimizer's bytes depend on them (Muon,
+    Adafactor): an ``nn.Module``'s own; an architecture's come from ``plan/shapes.py``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, int) or self.params <= 0:
@@ -236,12 +239,13 @@ class ModelSpec:
         """Count an ``nn.Module``'s parameters (each shared tensor once).
 
         Duck-typed, so this module still imports no torch."""
-        seen, total = set(), 0
+        seen, total, shapes = set(), 0, []
         for p in module.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel()
-        return cls(name or type(module).__name__, total)
+                shapes.append(tuple(p.shape))
+        return cls(name or type(module).__name__, total, shapes=tuple(shapes))
 
     @property
     def activations_modelled(self) -> bool:

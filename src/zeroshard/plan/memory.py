@@ -47,6 +47,7 @@ from .comm import (  # noqa: F401 - re-exported: the planner's communication mod
 )
 from .layout import check_layout
 from .offload import Placement, placed_bytes
+from .optimizer import model_shapes, optimizer_comm
 from .state import model_state_bytes  # noqa: F401 - re-exported
 from .workload import (  # noqa: F401 - re-exported: the activation model
     Workload,
@@ -177,9 +178,12 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
     of :func:`unit_sizes` at ``blocks_per_unit``."""
     check_layout(dims, config)
     work = work or Workload()
-    placed = placed_bytes(model.params, dims, config)
+    shapes = model_shapes(model) if config.recipe.shaped_state else None
+    placed = placed_bytes(model.params, dims, config, shapes)
     units = unit_sizes(model, blocks_per_unit) if uses_zeropp(config) else None
     levels = comm_bytes_by_level(model.params, dims, config, units)
+    # the optimizer's own exchanges (Muon's owner computes, Adafactor's sums): inside
+    levels["inside"] += optimizer_comm(model_shapes(model), dims, config)
     kept = sum(secondary_bytes(model.params, dims, config, units))
     recipe, device = config.recipe, placed.device
     return StrategyPlan(

@@ -72,6 +72,7 @@ from .comm import secondary_bytes
 from .layout import check_layout
 from .memory import unit_sizes
 from .offload import Placement, placed_bytes
+from .optimizer import model_shapes
 from .state import owned
 from .workload import Workload, activation_saved
 
@@ -235,7 +236,8 @@ def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workloa
                          f"{', '.join(OPTIMIZER_IMPLS)}")
     check_layout(dims, config)
     policy, recipe, tp, k = config.policy, config.recipe, dims.tp, dims.shard_size
-    placed = placed_bytes(model.params, dims, config)
+    placed = placed_bytes(model.params, dims, config,
+                          model_shapes(model) if config.recipe.shaped_state else None)
     device = placed.device
     saved = activation_saved(model, recipe, work, tp)
     acts = saved.peak if saved else 0

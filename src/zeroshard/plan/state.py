@@ -25,6 +25,7 @@ from ..spec.formulas import ceil_div
 from ..spec.policy import ShardPolicy
 from ..spec.recipes import DTYPE_BYTES, Recipe
 from .layout import check_layout
+from .optimizer import state_bytes
 
 #: The master's bytes when the recipe has none: the engine keeps an fp32 host copy.
 HOST_MASTER_BYTES = DTYPE_BYTES["fp32"]
@@ -51,12 +52,14 @@ def owned(params: int, dims: ParallelDims, policy: ShardPolicy) -> int:
     return ceil_div(ceil_div(params, dims.tp), k)
 
 
-def model_state_bytes(params: int, dims: ParallelDims,
-                      config: ZeroConfig) -> tuple[int, int, int]:
+def model_state_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
+                      shapes: list[tuple[int, ...]] | None = None) -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU, every placement together (the engine's
     ledger categories): ``config``'s stage shards the first k of (optimizer, grads,
     weights) over the layout's K ranks, after TP divides all by tp; the optimizer's
-    bytes are :func:`optimizer_bytes` (a host master offloaded)."""
+    bytes are :func:`optimizer_bytes` (a host master offloaded), or, for an optimizer
+    whose state depends on the shapes (``Recipe.shaped_state``: Muon, Adafactor), the
+    master's plus the state ``plan/optimizer.state_bytes`` counts from ``shapes``."""
     check_layout(dims, config)
     policy, recipe = config.policy, config.recipe
 
@@ -64,6 +67,14 @@ def model_state_bytes(params: int, dims: ParallelDims,
         total = ceil_div(bytes_per_param * params, dims.tp)
         return ceil_div(total, dims.shard_size) if sharded else total
 
+    if recipe.shaped_state:
+        if shapes is None:
+            raise ValueError(f"optimizer {recipe.optimizer!r} keeps state that depends on "
+                             "each parameter's shape: plan a preset (--model), a "
+                             "config.json (--hf-config) or a module, not a bare count")
+        m = master_bytes(recipe, policy.offloads_optimizer)
+        optimizer = part(m, policy.shards_optimizer) + state_bytes(shapes, dims, config)
+    else:
+        optimizer = part(optimizer_bytes(config), policy.shards_optimizer)
     return (part(recipe.weight_bytes, policy.shards_params),
-            part(recipe.grad_bytes, policy.shards_grads),
-            part(optimizer_bytes(config), policy.shards_optimizer))
+            part(recipe.grad_bytes, policy.shards_grads), optimizer)

@@ -7,6 +7,9 @@ underneath (gloo runs reduce-scatter as an all-reduce), so measured and planned 
 are the same quantity. ``check`` is the engine's own: the fingerprint each rank sends
 before every collective (``ZeroConfig.check_collectives``, ``watch.py``) and the small
 agreements (a non-finite gradient found); the planner does not count them.
+``owner_gather`` and ``owner_scatter`` are an optimizer's whole-matrix step (owner
+computes, ``spec/optimizers.py``): all-to-alls, counted as the bytes this rank sends to
+the other ranks, which differ by rank (each owns other matrices).
 
 Memory categories (bytes on this rank):
 
@@ -25,7 +28,10 @@ from collections import Counter
 
 from ..spec.formulas import ring_all_reduce, ring_one_way
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "check")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "owner_gather",
+               "owner_scatter", "check")
+#: All-to-alls: recorded as the bytes this rank sends to others, not by a ring formula.
+POINT_TO_POINT = ("owner_gather", "owner_scatter")
 CATEGORIES = ("params", "grads", "optimizer", "padding", "gathered", "buffers")
 
 
@@ -35,6 +41,8 @@ def ring_bytes(kind: str, nbytes: int, world: int) -> int:
         return ring_all_reduce(nbytes, world)
     if kind in ("reduce_scatter", "all_gather", "broadcast", "check"):  # check: an all-gather
         return ring_one_way(nbytes, world)
+    if kind in POINT_TO_POINT:
+        return nbytes
     raise AssertionError(f"unknown collective kind {kind!r}")
 
 
@@ -81,13 +89,17 @@ def tensor_bytes(t) -> int:
 
 
 def optimizer_state_bytes(optimizer, params) -> int:
-    """Bytes of the per-element optimizer state held for ``params`` (tensors shaped like
-    their parameter; scalar counters such as Adam's step are not per-element)."""
+    """Bytes of the optimizer state held for ``params``: every tensor of one or more
+    dimensions (Adam's moments, Adafactor's row and column statistics); scalar counters
+    such as Adam's step are not counted. ``optimizer``: one, or a list of them (Muon for
+    the matrices and AdamW for the rest)."""
     if optimizer is None:
         return 0
+    if isinstance(optimizer, (list, tuple)):
+        return sum(optimizer_state_bytes(o, params) for o in optimizer)
     total = 0
     for p in params:
         for value in optimizer.state.get(p, {}).values():
-            if hasattr(value, "shape") and value.shape == p.shape and value.dim() > 0:
+            if hasattr(value, "shape") and value.dim() > 0:
                 total += tensor_bytes(value)
     return total

@@ -38,3 +38,12 @@ def quantized_nbytes(numel: int, block: int = QUANT_BLOCK) -> int:
     """Bytes on the wire for ``numel`` elements quantized in blocks of ``block``: one int8
     each plus one fp32 scale per block, ``numel + 4⌈numel/block⌉``."""
     return numel + 4 * ceil_div(numel, block)
+
+
+def dim0_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[a, b)`` of a parameter of ``rows`` rows that ``rank`` of ``world`` holds:
+    chunks of c = ceil(rows / world), the last ranks' short or empty (FSDP2's dim-0
+    layout; the engine's ``runtime/unit/layout.dim0_chunk``)."""
+    c = ceil_div(rows, world)
+    a = min(rows, rank * c)
+    return a, min(rows, a + c)

@@ -11,7 +11,11 @@ Categories (ZeRO paper, section 3; 16 bytes per parameter for mixed-precision Ad
 - **grads**: the stored gradients (``grad_dtype``).
 - **optimizer**: the master copy (``master_dtype``, absent when the compute copy is
   already the master) plus ``optimizer_states`` per-element states (``state_dtype``),
-  e.g. Adam's m and v.
+  e.g. Adam's m and v. ``optimizer`` names the optimizer (``spec/optimizers.py``):
+  where its state is not a fixed count per element (Muon's one moment for the
+  matrices and AdamW's two for the rest; Adafactor's row and column statistics), the
+  planner counts it from the parameters' shapes, and ``optimizer_states`` is the
+  nominal count of a model made of matrices (Muon 1, Adafactor 0).
 
 This module imports nothing but the standard library.
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from .optimizers import OPTIMIZERS, get_optimizer
 
 #: Bytes per element of each dtype name a recipe may use.
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -44,6 +50,8 @@ class Recipe:
     """Per-element optimizer states: 2 for Adam/AdamW, 1 for SGD with momentum."""
     reduce_dtype: str | None = None
     """Dtype gradients travel in during reduction; None means ``grad_dtype``."""
+    optimizer: str = "adamw"
+    """The optimizer the state is for, a name of ``spec.optimizers.OPTIMIZERS``."""
     custom_bytes: tuple[int, int, int] | None = None
     """Explicit (weights, grads, optimizer) bytes per parameter, for planning a recipe
     that the dtypes above cannot describe. The engine refuses such a recipe."""
@@ -56,6 +64,9 @@ class Recipe:
                     f"recipe {self.name!r}: {field}={value!r} is not a known dtype; "
                     f"expected one of {sorted(DTYPE_BYTES)}"
                 )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"recipe {self.name!r}: optimizer={self.optimizer!r}; expected "
+                             f"one of {', '.join(OPTIMIZERS)}")
         if self.optimizer_states < 0:
             raise ValueError(
                 f"recipe {self.name!r}: optimizer_states={self.optimizer_states} must be >= 0"
@@ -118,6 +129,24 @@ class Recipe:
         """The same recipe with gradients reduced in another dtype."""
         return dataclasses.replace(self, reduce_dtype=reduce_dtype)
 
+    def with_optimizer(self, optimizer: str) -> Recipe:
+        """The same dtypes with the state of another optimizer (``zeroshard plan
+        --optimizer``): ``bf16-mixed-adamw`` becomes ``bf16-mixed-muon``."""
+        spec = get_optimizer(optimizer)
+        if optimizer == self.optimizer:
+            return self
+        name = (self.name.replace(self.optimizer, optimizer) if self.optimizer in self.name
+                else f"{self.name}-{optimizer}")
+        return dataclasses.replace(self, name=name, optimizer=optimizer,
+                                   optimizer_states=spec.states)
+
+    @property
+    def shaped_state(self) -> bool:
+        """The optimizer's state is counted from the parameters' shapes, not per element
+        (Muon with AdamW for the rest, Adafactor)."""
+        spec = OPTIMIZERS[self.optimizer]
+        return spec.factored or spec.matrices_only
+
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
@@ -129,7 +158,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe("bf16-mixed-adamw-fp32-grads", "bf16", "fp32", "fp32"),
         # No master copy: the fp32 weights are what the optimizer updates. 4 + 4 + 8 = 16.
         Recipe("fp32-adamw", "fp32", "fp32", None),
-        Recipe("fp32-sgd-momentum", "fp32", "fp32", None, optimizer_states=1),
+        Recipe("fp32-sgd-momentum", "fp32", "fp32", None, optimizer_states=1,
+               optimizer="sgd"),
     )
 }
 

@@ -66,10 +66,12 @@ class Collectives:
         self.trace: list[dict] | None = None  # profiling: one record per call
 
     def _issue(self, kind: str, t: torch.Tensor, unit, call, async_op: bool, value: int = 0,
-               world: int | None = None, level: str = "inside", nbytes: int | None = None):
+               world: int | None = None, level: str = "inside", nbytes: int | None = None,
+               numel: int | None = None):
         """Record the call in the ledger (and, when profiling, in the collective trace),
         issue its fingerprint, then ``call()``, which issues the collective itself
-        asynchronously and returns its work handle (None: the fingerprint is all)."""
+        asynchronously and returns its work handle (None: the fingerprint is all).
+        ``numel``: the size every rank fingerprints, where ``t``'s differs by rank."""
         if nbytes is None:  # a quantized collective says what it sends
             nbytes = t.numel() * t.element_size()
         if call is not None:  # an agreement is its fingerprint: recorded below
@@ -79,7 +81,8 @@ class Collectives:
         if self.trace is not None:
             rec = {"kind": kind, "unit": unit, "bytes": nbytes, "issued": time.perf_counter()}
             self.trace.append(rec)
-        mine, rows, fp_work = watch.fingerprint(self, kind, unit, t.numel(), value), None, None
+        numel = t.numel() if numel is None else numel
+        mine, rows, fp_work = watch.fingerprint(self, kind, unit, numel, value), None, None
         if self.check or call is None:
             rows = torch.empty(self.mesh.dp_world, watch.WIDTH, dtype=torch.int64)
             self.ledger.record("check", rows.numel() * rows.element_size(), self.mesh.dp_world,
@@ -180,6 +183,20 @@ class Collectives:
         ticket = self._issue("check", torch.empty(0, dtype=torch.int64), None, None, True,
                              value=value)
         return lambda: (ticket.wait(), ticket.rows[:, -1].tolist())[1]
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                   in_splits: list[int], kind: str, total: int, async_op: bool = False):
+        """Over the shard group: ``inp``'s k-th of ``in_splits`` goes to rank k, and
+        ``out`` receives rank k's piece in its k-th of ``out_splits`` (1D tensors). An
+        optimizer's owner-computes step (``kind``: ``owner_gather`` or ``owner_scatter``),
+        recorded as the bytes this rank sends to the other ranks; ``total``: the elements
+        of every rank's pieces together, which every rank fingerprints alike."""
+        me, item = self.mesh.shard_rank, inp.element_size()
+        sent = (sum(in_splits) - in_splits[me]) * item
+        return self._issue(kind, inp, None, lambda: dist.all_to_all_single(
+            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+            group=self.mesh.shard_group, async_op=True), async_op, nbytes=sent,
+            numel=total)
 
     def _on_gloo(self, t: torch.Tensor) -> bool:
         return self.mesh.gloo and t.device.type == "cpu" and self.mesh.shard_world > 1

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 PHASES = ("setting up", "forward", "backward", "step", "between steps")
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "check")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "check", "owner_gather",
+         "owner_scatter")
 #: Fingerprint fields, in order (int64 each); ``value`` is ``agree``'s payload, the one
 #: field ranks may differ in.
 FIELDS = ("seq", "step", "phase", "kind", "unit", "numel", "value")

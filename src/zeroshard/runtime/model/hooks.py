@@ -66,6 +66,7 @@ class PassHooks:
         if _recomputing():
             return None
         m = self.model
+        m.stepper.settle()  # shards no optimizer stepped since the last backward
         m.comm.phase = "forward"
         for u in m.units:
             u.wait_sync()

@@ -30,6 +30,13 @@ class CycleState(enum.Enum):
     step."""
     STEP = "step"
     """Inside ``optimizer.step()``, between its pre- and post-hook."""
+    PARTIAL = "partial"
+    """Some optimizers have stepped this cycle's gradients and some shards that have a
+    gradient are in none of them yet (Muon for the matrices, AdamW for the rest): the
+    units whose every shard is stepped have their compute weights brought up to date;
+    the rest wait for the other optimizers' steps, or for the next forward or
+    ``zero_grad()``, which settle them (an optimizer over part of the model) and end
+    the cycle."""
 
 
 S = CycleState
@@ -39,9 +46,12 @@ _TRANSITIONS: dict[str, dict[CycleState, CycleState]] = {
                        S.FINAL: S.BACKWARD},
     "backward_end": {S.BACKWARD: S.REDUCING},
     "backward_end_unreduced": {S.BACKWARD: S.UNREDUCED},
-    "finalize": {S.IDLE: S.FINAL, S.REDUCING: S.FINAL, S.UNREDUCED: S.FINAL, S.FINAL: S.FINAL},
-    "step_begin": {S.FINAL: S.STEP},
+    "finalize": {S.IDLE: S.FINAL, S.REDUCING: S.FINAL, S.UNREDUCED: S.FINAL, S.FINAL: S.FINAL,
+                 S.PARTIAL: S.PARTIAL},
+    "step_begin": {S.FINAL: S.STEP, S.PARTIAL: S.STEP},
     "step_end": {S.STEP: S.IDLE},
+    "step_part": {S.STEP: S.PARTIAL},
+    "settle": {S.PARTIAL: S.IDLE},
     "zero_grad": {S.IDLE: S.IDLE, S.REDUCING: S.IDLE, S.UNREDUCED: S.IDLE, S.FINAL: S.IDLE},
 }
 
@@ -53,6 +63,8 @@ _WHAT = {
     "finalize": "the gradients were read (optimizer.step() or clip_grad_norm_())",
     "step_begin": "optimizer.step() began",
     "step_end": "optimizer.step() ended",
+    "step_part": "optimizer.step() ended",
+    "settle": "the cycle's step was settled",
     "zero_grad": "zero_grad() was called",
 }
 
@@ -61,6 +73,8 @@ _EXPECTED = {
                 "clip_grad_norm_() and zero_grad() after loss.backward() returns",
     S.STEP: "optimizer.step() to return first: no backward, clipping or zero_grad() "
             "from inside the optimizer's step",
+    S.PARTIAL: "the step of the other optimizers holding this model's shards, or a "
+               "forward, before another backward",
 }
 
 

@@ -1,12 +1,15 @@
-"""Which optimizers may step a shard.
+"""Which optimizers may step a shard, and how.
 
-ZeRO-1 and beyond rely on the update being elementwise: each element's new value
-depends only on that element's weight, gradient and state, so rank r can update its
-slice alone and the result equals the unsharded update exactly (ZeRO paper, section
-5.1). An optimizer that looks across elements — a trust ratio over the whole tensor
-(LAMB, LARS), factored second moments over rows and columns (Adafactor), an
-orthogonalised matrix update (Muon), a line search over the whole model (LBFGS) —
-would see only a slice and compute something else, silently.
+ZeRO-1 and beyond give each rank some rows of every parameter. An elementwise update
+(each element's new value depends only on that element's weight, gradient and state) is
+exact on them: torch's own step runs on the rows (ZeRO paper, section 5.1). An update
+that reads more is classified once per optimizer ([Note: optimizer needs] in
+``spec/optimizers.py``): sums over whole tensors (Adafactor, LAMB) are completed by one
+small all-reduce a round (``reduced.py``); whole-matrix updates (Muon) are computed by
+an owner per matrix (``matrix.py``). Either way the engine runs the step in the
+optimizer's pre-hook with torch's own maths on the optimizer's own param groups and
+state, and leaves its ``step()`` no gradient to act on. Anything else is refused: its
+update would differ from the unsharded one, silently.
 """
 
 from __future__ import annotations
@@ -16,43 +19,49 @@ import weakref
 
 import torch
 
+from ...spec.optimizers import ELEMENTWISE, REFUSED, STEPPED, Need, supported
 from .clip import redirect_torch_clip
-
-ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop",
-               "Rprop", "ASGD", "Adadelta", "SparseAdam"}
-
-NOT_ELEMENTWISE = {
-    "LBFGS": "it runs a line search over the whole model's flattened parameters",
-    "Adafactor": "its factored second moment averages over whole rows and columns",
-    "Muon": "it orthogonalises each whole weight matrix",
-    "Lamb": "its trust ratio divides the norm of the whole weight by the whole update",
-    "LAMB": "its trust ratio divides the norm of the whole weight by the whole update",
-    "FusedLamb": "its trust ratio divides the norm of the whole weight by the whole update",
-    "LARS": "its trust ratio divides the norm of the whole weight by the whole gradient",
-    "Shampoo": "its preconditioners are built from whole matrices",
-}
 
 _warned: set[str] = set()
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, policy) -> None:
-    """Refuse an optimizer whose update is not elementwise where it steps slices."""
+def _stepped_class(name: str):
+    """The one class the engine steps under ``name`` (a subclass may step otherwise)."""
+    if name == "Lamb":
+        from ...optim.lamb import Lamb
+        return Lamb
+    return getattr(torch.optim, name, None)
+
+
+def sharded_step(optimizer: torch.optim.Optimizer, stepper):
+    """The engine's step of ``optimizer`` on the stepper's shards, or None where the
+    optimizer's own step is exact (whole parameters, or an elementwise update); a
+    ValueError for an optimizer that cannot step shards."""
     name = type(optimizer).__name__
-    stage = policy.stage
-    if not policy.checks_elementwise or name in ELEMENTWISE:
-        return
-    if name in NOT_ELEMENTWISE:
+    stage = stepper.policy.stage
+    if (not stepper.policy.checks_elementwise or stepper.comm.mesh.shard_world == 1
+            or name in ELEMENTWISE):
+        return None
+    if name in STEPPED and type(optimizer) is _stepped_class(name):
+        if STEPPED[name][0] is Need.WHOLE_MATRIX:
+            from .matrix import MatrixStep
+            return MatrixStep(optimizer, stepper)
+        from .reduced import ReducedStep
+        return ReducedStep(optimizer, stepper)
+    why = REFUSED.get(name) or (STEPPED[name][1] + ", and this is not the class zeroshard "
+                                "steps under that name" if name in STEPPED else None)
+    if why is not None:
         raise ValueError(
-            f"{name} cannot step ZeRO stage {stage} shards: {NOT_ELEMENTWISE[name]}, and each "
-            "rank holds only a slice of every parameter, so the update would differ from the "
-            "unsharded one. Use stage 0, or an elementwise optimizer "
-            f"({', '.join(sorted(ELEMENTWISE))})")
+            f"{name} cannot step ZeRO stage {stage} shards: {why}, and each rank holds only "
+            "some rows of every parameter, so the update would differ from the unsharded "
+            f"one. Use stage 0, or an optimizer zeroshard steps on shards ({supported()})")
     if name not in _warned:
         _warned.add(name)
         warnings.warn(
             f"zeroshard cannot tell whether {name} updates each element independently; at "
-            f"stage {stage} each rank steps a slice, which is exact only for elementwise "
-            "updates", stacklevel=3)
+            f"stage {stage} each rank steps some rows, which is exact only for elementwise "
+            f"updates (stepped exactly: {supported()})", stacklevel=3)
+    return None
 
 
 LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -81,11 +90,11 @@ def _pre_step(optimizer, args, kwargs) -> None:
 
 def _post_step(optimizer, args, kwargs) -> None:
     for m in _owners(optimizer):
-        m.stepper.after_step()
+        m.stepper.after_step(optimizer)
 
 
 def register_for_step_hooks(model) -> None:
-    """Let ``model.stepper.before_step(opt)`` / ``after_step()`` run around every step
+    """Let ``model.stepper.before_step(opt)`` / ``after_step(opt)`` run around every step
     of an optimizer that holds its shards (and ``torch.nn.utils.clip_grad_norm_`` clip
     its shards by the global norm, ``clip.py``). The hooks are installed once per process:
     every torch optimizer's step passes through them, and they act only for the live

@@ -28,6 +28,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
+from ...spec.optimizers import whole_state
 from ..unit.dtensor import local_rows, to_dtensor
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> stepper ids
@@ -53,9 +54,11 @@ def attach(stepper, optimizer) -> None:
             u, i = by_shard[id(p)]
             state = optimizer.state[p]
             for name, v in list(state.items()):
+                t = _trailing(optimizer, u, i, name, v, p)
+                rows = tuple(p.shape) if t in (None, False) else (p.shape[0], *t)
                 if isinstance(v, DTensor) or (torch.is_tensor(v) and v.dim() > 0
-                                              and v.shape != p.shape):
-                    state[name] = _rows(u, i, v, f"optimizer state {name!r}")
+                                              and t is not False and tuple(v.shape) != rows):
+                    state[name] = _rows(u, i, v, f"optimizer state {name!r}", t)
 
 
 def _by_shard(stepper) -> dict[int, tuple]:
@@ -79,9 +82,27 @@ def _save(stepper, optimizer, state_dict: dict):
             continue
         u, i = by_shard[id(p)]
         # a new dict: torch's state_dict() hands out the optimizer's own per-parameter dicts
-        state[key] = {name: to_dtensor(u, i, v) if _per_element(v, p) else v
+        state[key] = {name: _as_dtensor(optimizer, u, i, name, v, p)
                       for name, v in values.items()}
     return {**state_dict, "state": state}
+
+
+def _as_dtensor(optimizer, unit, i: int, name: str, value, p):
+    """A state of shard ``p`` in torch's terms: a per-element state (Adam's moments, Muon's
+    momentum) as a DTensor of the parameter's layout; a state with one entry per row and
+    another trailing shape (Adafactor's row statistics) as a DTensor of ``(d0, ...)``;
+    a state the same on every rank (Adafactor's column statistic of a matrix,
+    ``spec.optimizers.whole_state``) and scalars as they are, plain tensors being what
+    DCP takes for replicated."""
+    if not torch.is_tensor(value) or isinstance(value, DTensor) or value.dim() == 0:
+        return value
+    if value.shape == p.shape:
+        return to_dtensor(unit, i, value)
+    full = unit.params[i].shape
+    if (whole_state(type(optimizer).__name__, name, len(full)) or value.dim() < 1
+            or not p.dim() or value.shape[0] != p.shape[0]):
+        return value
+    return to_dtensor(unit, i, value, trailing=tuple(value.shape[1:]))
 
 
 def _load(stepper, optimizer, state_dict: dict):
@@ -96,21 +117,34 @@ def _load(stepper, optimizer, state_dict: dict):
             state[key] = values
             continue
         u, i = by_shard[id(p)]
-        state[key] = {name: _rows(u, i, v, f"optimizer state {name!r} of {key!r}")
+        state[key] = {name: _rows(u, i, v, f"optimizer state {name!r} of {key!r}",
+                                  _trailing(optimizer, u, i, name, v, p))
                       for name, v in values.items()}
     return {**state_dict, "state": state}
 
 
-def _per_element(value, p) -> bool:
-    return (torch.is_tensor(value) and not isinstance(value, DTensor) and value.dim() > 0
-            and value.shape == p.shape)
-
-
-def _rows(unit, i: int, value, what: str):
-    """A per-element state as this rank's rows; anything else (a scalar) as it is."""
+def _trailing(optimizer, unit, i: int, name: str, value, p) -> tuple | None | bool:
+    """How a loaded state maps to rows: None for a per-element state, the trailing shape
+    of a state with one entry per row, False for a whole state (kept as it is)."""
+    full = tuple(unit.params[i].shape)
     if not torch.is_tensor(value) or value.dim() == 0:
-        return value
-    rows = local_rows(unit, i, value, what)
+        return None
+    if whole_state(type(optimizer).__name__, name, len(full)):
+        return False
+    shape = tuple(value.shape)
+    if shape in (full, tuple(p.shape)) or len(full) == 0:
+        return None
+    if shape[1:] != full[1:] and shape[0] in (full[0], p.shape[0]):
+        return shape[1:]
+    return None
+
+
+def _rows(unit, i: int, value, what: str, trailing=None):
+    """A per-element state (or one with an entry per row) as this rank's rows; a whole
+    state and scalars as they are."""
+    if not torch.is_tensor(value) or value.dim() == 0 or trailing is False:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    rows = local_rows(unit, i, value, what, trailing)
     if rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
         rows = rows.clone()  # rows of a full tensor: keep those alone
     return rows

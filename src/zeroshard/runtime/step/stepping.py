@@ -1,11 +1,21 @@
 """The step side of a sharded model: gradients made final, clipped, checked for
-non-finite values, handed to the optimizer, and the compute weights brought up to date
-after it ([Note: the step cycle] in ``model/sharded.py``).
+non-finite values, handed to the optimizers, and the compute weights brought up to date
+after them ([Note: the step cycle] in ``model/sharded.py``).
 
-:class:`Stepper` is one collaborator of the model, owning the step's state (which
-optimizer stepped this cycle, the clipped norm, a loss scaler's verdict, the step
+:class:`Stepper` is one collaborator of the model, owning the step's state (which shards
+the optimizers stepped this cycle, the clipped norm, a loss scaler's verdict, the step
 counters); the optimizer's global hooks (``optim.py``), ``zero_grad``,
 ``clip_grad_norm_`` and the loss scaler call its methods.
+
+[Note: several optimizers] A cycle's gradients may be stepped by several optimizers
+over disjoint parameters (Muon for the matrices, AdamW for the rest). Each shard is
+stepped once a cycle; a unit's compute weights are brought up to date (the all-gather
+of stages 1-2, the cast of stages 0 and 3) as soon as every shard of it that has a
+gradient was stepped, so the last optimizer's post-hook ends the cycle. Shards no
+optimizer steps (an optimizer over part of the model) are settled by the next forward,
+backward or ``zero_grad()``. The first optimizer of a cycle takes
+the decisions that are the cycle's: the step begins, the gradients are final, the
+non-finite check (one exchange) says whether every optimizer skips.
 """
 
 from __future__ import annotations
@@ -16,20 +26,23 @@ from ...offload.stream import DiskStep, check_streamable
 from . import nonfinite
 from .clip import check_clip_args, clip_grad_norm
 from .cycle import CycleState, StepCycle
-from .optim import check_optimizer
+from .optim import sharded_step
 from .optim_state import attach
 
 
 class Stepper:
-    """Before and after the optimizer step of one sharded model."""
+    """Before and after the optimizer steps of one sharded model."""
 
     def __init__(self, units, comm, reducer, cycle: StepCycle, policy, config, events,
                  named_shards):
         self.units, self.comm, self.reducer, self.cycle = units, comm, reducer, cycle
         self.policy, self.config, self.events = policy, config, events
         self.named_shards = named_shards  # (name, shard) in the module's order
-        self.stepped_by: int | None = None  # id of the optimizer that stepped this cycle
-        self.checked: set[int] = set()  # ids of optimizers already checked
+        self.drivers: dict[int, object] = {}  # optimizer id -> its sharded step, or None
+        self.stepped: dict[int, object] = {}  # shard id -> the optimizer that stepped it
+        self.refreshed: set[int] = set()  # units whose compute weights caught up this cycle
+        self.done = False  # this cycle's step ended: only optimizers with nothing left follow
+        self.passing: object | None = None  # an optimizer stepping nothing of this model
         self.cycle_norm: torch.Tensor | None = None  # the clipped norm of this cycle
         self.verdict: tuple[str, str] | None = None  # a loss scaler's: ("skip", why)
         self.loss_scaler = None  # the GradScaler made for the model, if any
@@ -43,7 +56,9 @@ class Stepper:
     # -- the cycle's gradients ------------------------------------------------------
     def backward_begins(self) -> None:
         """A new backward changes the gradients: nothing decided about them still holds."""
-        self.stepped_by = None
+        self.stepped.clear()
+        self.refreshed.clear()
+        self.done = False
         self.cycle_norm = self.verdict = None
 
     def finalize_grads(self) -> None:
@@ -71,40 +86,63 @@ class Stepper:
         return norm
 
     def zero_grad(self) -> None:
+        self.settle()
         self.cycle.advance("zero_grad")
         self.cycle_norm = self.verdict = None
 
     # -- the optimizer's hooks ------------------------------------------------------
     def before_step(self, optimizer) -> None:
         """The optimizer step's pre-hook (``optim.py``): gradients made final, checked
-        per ``ZeroConfig.nonfinite``, and withheld from the optimizer on a skip."""
-        if id(optimizer) not in self.checked:
-            check_optimizer(optimizer, self.policy)
+        per ``ZeroConfig.nonfinite``, withheld from the optimizer on a skip, and stepped
+        by the engine where the optimizer cannot step rows alone (``optim.py``)."""
+        if id(optimizer) not in self.drivers:
+            self.drivers[id(optimizer)] = sharded_step(optimizer, self)
             if self.disk_step is not None:
                 check_streamable(optimizer)
             attach(self, optimizer)  # its state dict speaks DTensor from now on
-            self.checked.add(id(optimizer))
-        if self.stepped_by not in (None, id(optimizer)):
+        ids = _param_ids(optimizer)
+        other = next(((n, self.stepped[id(s)]) for n, s in self.named_shards
+                      if id(s) in ids and self.stepped.get(id(s), optimizer) is not optimizer),
+                     None)
+        if other is not None:
             raise NotImplementedError(
-                f"{type(optimizer).__name__}.step() after another optimizer's step with no "
-                "backward in between: a sharded model hands each cycle's gradients to one "
-                "optimizer step, and frees them after it. Put every parameter in one "
-                "optimizer (param groups may differ in lr and weight decay)")
+                f"{type(optimizer).__name__}.step() steps {other[0]!r}, which "
+                f"{type(other[1]).__name__}.step() stepped already since the last backward: "
+                "each shard's gradient is consumed by one optimizer step and freed after it. "
+                "Give each parameter to one optimizer (Muon for the matrices, AdamW for "
+                "the rest; param groups may differ in lr and weight decay)")
+        self.passing = None
+        if self.done and self.cycle.state is CycleState.IDLE and not any(
+                o is optimizer for o in self.stepped.values()):  # the cycle's step ended
+            late = next((n for n, s in self.named_shards if id(s) in ids
+                         and s.grad is not None), None)
+            if late is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.step() after this cycle's step ended (a "
+                    "forward or zero_grad() came after the other optimizers' steps), with "
+                    f"a gradient on {late!r} it never stepped; expected every optimizer's "
+                    "step() right after backward, before the next forward")
+            self.passing = optimizer  # nothing of this model left for it to step
+            return
         if self.cycle.state in (CycleState.BACKWARD, CycleState.STEP):
             self.cycle.advance("step_begin")  # refused, with what was expected
+        first = self.cycle.state is not CycleState.PARTIAL
         self.comm.phase = "step"
-        self.events.emit("step_begin", optimizer=optimizer)  # the landing counts in the step
+        if first:
+            self.events.emit("step_begin", optimizer=optimizer)  # the landing counts in it
         self.finalize_grads()
-        self.last_step_skipped = False
-        if self._skips():  # an optimizer steps no parameter without .grad, on every rank
-            for _, shard in self.named_shards:
-                shard.grad = None
-            self.last_step_skipped = True
-            self.skipped_steps += 1
+        if first:
+            self.last_step_skipped = self._skips()
+            if self.last_step_skipped:  # an optimizer steps no parameter without .grad
+                for _, shard in self.named_shards:
+                    shard.grad = None
+                self.skipped_steps += 1
+        driver = self.drivers[id(optimizer)]
+        if driver is not None:  # the engine steps the rows with the whole-tensor sums or
+            driver.step()  # matrices they need; the optimizer's own step finds no gradient
         if self.disk_step is not None:  # the step itself, streamed from the files; the
             self.disk_step.step(optimizer)  # optimizer's own step then finds no gradient
         self.cycle.advance("step_begin")
-        self.stepped_by = id(optimizer)
 
     def _skips(self) -> bool:
         """Whether this step is skipped: a loss scaler's verdict, or the non-finite policy
@@ -124,22 +162,59 @@ class Stepper:
             raise nonfinite.NonFiniteGradients(problem)
         return problem is not None
 
-    def after_step(self) -> None:
-        """The optimizer step's post-hook: compute weights brought up to date."""
+    def after_step(self, optimizer) -> None:
+        """The optimizer step's post-hook: the units whose every shard with a gradient
+        has been stepped get their compute weights brought up to date; the cycle ends
+        when all have ([Note: several optimizers])."""
+        if self.passing is optimizer:
+            self.passing = None
+            return
+        for s in _param_ids(optimizer, self.named_shards):
+            self.stepped[id(s)] = optimizer
+        self._refresh([u for u in self.units if u.index not in self.refreshed and all(
+            id(u.shards[i]) in self.stepped or u.shards[i].grad is None for i in u.trainable)])
+        if len(self.refreshed) < len(self.units):
+            self.cycle.advance("step_part")
+            return
         self.cycle.advance("step_end")
+        self._end_cycle()
+
+    def settle(self) -> None:
+        """End a cycle some optimizers stepped and none will step further: the rest of
+        the units are brought up to date (their shards unchanged)."""
+        if self.cycle.state is not CycleState.PARTIAL:
+            return
+        self._refresh([u for u in self.units if u.index not in self.refreshed])
+        self.cycle.advance("settle")
+        self._end_cycle()
+
+    def _refresh(self, units) -> None:
         # All-gathers after the step go unit by unit; at most two are in flight, so the
         # gathered buffers never add up to a second copy of the model.
         prev = None
-        for u in self.units:
+        for u in units:
             u.after_step(weights_updated=u.disk is not None)  # disk: the stream wrote them
+            self.refreshed.add(u.index)
             if prev is not None:
                 prev.wait_sync()
             prev = u
         # the last one too: the module's full weights are current once step() returns,
         # as a DDP user reads them ([Note: module view]); on a GPU this orders the
         # streams, and the next forward would wait for it anyway
-        prev.wait_sync()
+        if prev is not None:
+            prev.wait_sync()
+
+    def _end_cycle(self) -> None:
+        self.done = True
         self.cycle_norm = self.verdict = None
         self.steps += 1
         self.comm.step, self.comm.phase = self.steps, "between steps"
         self.events.emit("step_end")
+
+
+def _param_ids(optimizer, named_shards=None):
+    """The ids of the tensors ``optimizer`` steps; with ``named_shards``, those shards."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if named_shards is None:
+        return ids
+    return [s for _, s in named_shards if id(s) in ids]

@@ -65,26 +65,34 @@ def alias(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(0).set_(storage, 0, t.shape, t.stride())
 
 
-def to_dtensor(unit, i: int, local: torch.Tensor) -> DTensor:
+def to_dtensor(unit, i: int, local: torch.Tensor, trailing: tuple | None = None) -> DTensor:
     """``local`` (this rank's rows of parameter ``i``, or a per-element state of them)
-    as a DTensor of the full shape, sharing its memory. Built as FSDP2 builds its
-    sharded parameters (``_from_local_no_grad`` in ``fsdp/_fully_shard/_fsdp_common.py``):
-    not differentiable, no check across ranks."""
+    as a DTensor of the full shape, sharing its memory; ``trailing``: a state with one
+    entry per row but another shape past dim 0 (Adafactor's row statistics), whose full
+    shape is ``(d0, *trailing)``. Built as FSDP2 builds its sharded parameters
+    (``_from_local_no_grad`` in ``fsdp/_fully_shard/_fsdp_common.py``): not
+    differentiable, no check across ranks."""
     shape = torch.Size(rows_shape(unit.params[i].shape))
+    if trailing is not None:
+        shape = torch.Size((shape[0], *trailing))
     meta = TensorMeta(shape, _contiguous_stride(shape), local.dtype)
     spec = DTensorSpec(unit.comm.mesh.device_mesh, placements(unit, i), tensor_meta=meta)
     return DTensor(alias(local.detach()), spec, requires_grad=False)
 
 
-def local_rows(unit, i: int, value, what: str) -> torch.Tensor:
+def local_rows(unit, i: int, value, what: str, trailing: tuple | None = None) -> torch.Tensor:
     """``value`` as this rank's rows of parameter ``i``, shaped as :func:`held`'s tensor.
     Accepted: a DTensor of the full shape (its local tensor where it is laid out as
     ours, else gathered whole first: a collective over its mesh), the full tensor
     (or of shape ``(1,)`` for a 0-d parameter), or this rank's rows themselves.
-    ``what`` names the value in the ValueError for any other shape."""
+    ``what`` names the value in the ValueError for any other shape; ``trailing``: as
+    :func:`to_dtensor`'s, for a state with one entry per row."""
     target, first = held(unit, i)
     count = target.shape[0]
     full = tuple(unit.params[i].shape)
+    if trailing is not None:
+        full = (rows_shape(full)[0], *trailing)
+        target = target.new_empty((count, *trailing))
     if isinstance(value, DTensor):
         if tuple(value.shape) not in (full, rows_shape(full)):
             raise ValueError(_shape_error(what, f"is a DTensor of shape {tuple(value.shape)}",
