@@ -96,11 +96,12 @@ def _as_dtensor(optimizer, unit, i: int, name: str, value, p):
     DCP takes for replicated."""
     if not torch.is_tensor(value) or isinstance(value, DTensor) or value.dim() == 0:
         return value
+    full = unit.params[i].shape
+    if whole_state(type(optimizer).__name__, name, len(full)):
+        return value  # first: a shard of one row has the column statistic's shape
     if value.shape == p.shape:
         return to_dtensor(unit, i, value)
-    full = unit.params[i].shape
-    if (whole_state(type(optimizer).__name__, name, len(full)) or value.dim() < 1
-            or not p.dim() or value.shape[0] != p.shape[0]):
+    if not p.dim() or value.shape[0] != p.shape[0]:
         return value
     return to_dtensor(unit, i, value, trailing=tuple(value.shape[1:]))
 
