@@ -86,8 +86,9 @@ class TrainConfig:
     """Keep only the ``keep_last`` checkpoints saved last in ``save_dir``, removing older
     ones after each save (never the one ``latest`` names); None keeps every one."""
     resume: str | None = None
-    """Resume from a checkpoint: a path, or "latest" for the newest in ``save_dir``.
-    Any --nproc and --stage can resume any checkpoint."""
+    """Resume from a checkpoint: a path, "latest" for the newest in ``save_dir``, or
+    "auto": that one when there is one, else a first start (what a restart needs; see
+    ``resume.checkpoint_to_resume``). Any --nproc and --stage can resume any checkpoint."""
     profile: str | None = None
     """Profile steps 2-3 (after the first, which records the gather order) and write a
     Chrome trace per rank and the lifetime chart into this directory."""
@@ -162,12 +163,12 @@ class TrainConfig:
         if (units, self.profile is not None) != (zero.units, zero.profile):
             zero = replace(zero, units=units, profile=self.profile is not None)
         object.__setattr__(self, "zero", zero)
-        if self.resume == "latest" and not self.save_dir:
-            raise ValueError("resume='latest' needs save_dir")
+        if self.resume in ("latest", "auto") and not self.save_dir:
+            raise ValueError(f"resume={self.resume!r} needs save_dir")
         if (self.keep_last or self.save_every) and not self.save_dir:
             raise ValueError(f"{'keep_last' if self.keep_last else 'save_every'} needs "
                              "save_dir, the folder the checkpoints go to")
-        if self.resume and self.init_from:
+        if self.resume and self.resume != "auto" and self.init_from:  # auto: init_from first
             raise ValueError("resume and init_from contradict each other; give one")
         for name in ("sample_chars", "weight_decay"):
             if getattr(self, name) < 0:

@@ -19,6 +19,7 @@ from .datasource import open_source
 from .hfmodel import model_source
 from .profile import profile_report
 from .report import Reporter
+from .restart import restarted
 from .resume import checkpoint_to_resume, resume
 from .run import Run
 from .save import save, save_due
@@ -36,7 +37,7 @@ def train(cfg: TrainConfig) -> dict:
             if evaluation_due(cfg, step + 1):
                 evaluation(run, record)
             run.out.step(record)
-            run.board.step(record, run.model.skipped_steps)
+            run.board.step(record, run.skipped_steps)
             if save_due(cfg, step + 1):
                 save(run, step + 1)
             if run.log:
@@ -88,7 +89,7 @@ def set_up(cfg: TrainConfig) -> Run:
     unit_params = [sum(p.numel() for p in u.params) for u in model.units]
     out = Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
                    label=source.label, origin=source.source)
-    log = (open(cfg.json_log, "a" if checkpoint else "w", encoding="utf-8")
+    log = (open(cfg.json_log, "a" if checkpoint or restarted() else "w", encoding="utf-8")
            if cfg.json_log and rank == 0 else None)
     out.header()
     return Run(cfg, rank, world, device, micro, accum, source, model, optimizer, scheduler,
