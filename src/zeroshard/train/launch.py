@@ -20,6 +20,18 @@ import sys
 
 BACKEND = "zeroshard-loopback"
 
+#: Seconds a rank stopped for a restart has between SIGTERM and SIGKILL.
+STOP_GRACE_S = 5
+
+
+def _stop_workers(agent, worker_group) -> None:
+    """Stop the workers for a restart within ``STOP_GRACE_S``. torch's agent gives them
+    30 s, whatever its ``--shutdown-timeout`` (``LocalElasticAgent._stop_workers`` calls
+    ``_shutdown()`` with its default: torch/distributed/elastic/agent/server/
+    local_elastic_agent.py). A rank of ``zeroshard train`` handles no SIGTERM (it dies at
+    once), but a frozen one (SIGSTOP) never sees it: the wait only delays the restart."""
+    agent._shutdown(timeout=STOP_GRACE_S)
+
 
 def _create_handler(params):
     from torch.distributed.elastic.rendezvous import (
@@ -57,6 +69,7 @@ def main(argv: list[str]) -> int:
     import shutil
     import tempfile
 
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
@@ -66,6 +79,7 @@ def main(argv: list[str]) -> int:
     from . import failure
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)
+    LocalElasticAgent._stop_workers = _stop_workers
     if loopback_interface() and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     debug = failure.debugging()

@@ -46,6 +46,19 @@ def gather(run: Run) -> int:
     return max(c for c, _ in every)
 
 
+def process_start() -> float | None:
+    """When this process started (Unix time; Linux's /proc), for the restart's record:
+    the time from a failure to it is torchrun's detection and restart."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            boot = next(int(x.split()[1]) for x in fh if x.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _ranks(ranks: list[int]) -> str:
     """``[2, 3, 5]`` as "ranks 2-3, 5"."""
     spans: list[list[int]] = []
@@ -63,7 +76,7 @@ def announce(run: Run, ckpt: Path | None, extra: dict, restarts: int, load_s: fl
     whose node is gone when some node of it lives on (a restart keeps the agents that
     survive); for a restart write the JSON log's record: ``{"event": "restart",
     "restart": k, "resumed_from": step, "checkpoint", "world", "saved_world",
-    "lost_ranks", "load_s", "time"}``."""
+    "lost_ranks", "load_s", "process_start", "time"}``."""
     cfg, world = run.cfg, run.world
     if ckpt is None and not restarts:
         return
@@ -93,5 +106,5 @@ def announce(run: Run, ckpt: Path | None, extra: dict, restarts: int, load_s: fl
             "event": "restart", "restart": restarts, "resumed_from": start,
             "checkpoint": None if ckpt is None else str(ckpt), "world": world,
             "saved_world": saved_world, "lost_ranks": lost, "load_s": round(load_s, 3),
-            "time": time.time()}) + "\n")
+            "process_start": process_start(), "time": time.time()}) + "\n")
         run.log.flush()
