@@ -76,6 +76,9 @@ def set_up(cfg: TrainConfig) -> Run:
             folder(name, getattr(cfg, name))
     checkpoint = checkpoint_to_resume(cfg)
     source = model_source(cfg)
+    # torch seeds its global generator at random at start-up: a model's dropout (GPT-2's)
+    # would differ between two runs of one command (a resume restores the saved state)
+    torch.manual_seed(cfg.seed)
     model = source.build(load_weights=not (checkpoint or cfg.init_from))
     if model.profiler is not None:
         model.profiler.enabled = False

@@ -49,14 +49,14 @@ def gather(run: Run) -> int:
 def process_start() -> float | None:
     """When this process started (Unix time; Linux's /proc), for the restart's record:
     the time from a failure to it is torchrun's detection and restart."""
-    try:
+    try:  # both since boot, on one clock (the boot time in /proc/stat is whole seconds)
         with open("/proc/self/stat") as fh:
             ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as fh:
-            boot = next(int(x.split()[1]) for x in fh if x.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return round(time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def _ranks(ranks: list[int]) -> str:

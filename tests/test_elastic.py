@@ -1,0 +1,152 @@
+"""Restarts (docs/elastic.md): a rank killed, frozen or killed inside a save, or a node
+lost, costs the steps since the last save, and the run goes on at the world it has.
+
+Real launches on loopback: torchrun (``--standalone``, and two agents sharing a
+rendezvous) and ``zeroshard train --max-restarts``, with faults put into the ranks by
+``tests/faultsite/sitecustomize.py``. Each launch checks what it can (the resume steps,
+the lines, the JSON records, the final weights against an uninterrupted run): a launch
+costs seconds, a restart a few more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeroshard.train.config import TrainConfig
+from zeroshard.train.resume import checkpoint_to_resume
+
+pytestmark = pytest.mark.dist
+
+HERE = Path(__file__).resolve().parent
+#: Every launch: 40 steps of a batch of 8, a checkpoint every 10.
+RUN = ["--steps", "40", "--batch", "8", "--eval-every", "100", "--sample-chars", "0",
+       "--save-every", "10", "--resume", "auto"]
+GPT = [*RUN, "--model", "tiny"]
+
+
+def _env(tmp: Path, faults: list[dict] | None = None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(HERE / "faultsite"), str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    if faults:
+        env["ZEROSHARD_TEST_FAULTS"] = json.dumps(faults)
+        env["ZEROSHARD_TEST_FAULT_LOG"] = str(tmp / "faults.jsonl")
+    return env
+
+
+def _run(cmd: list[str], env: dict, timeout: float = 300) -> str:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _train(*args) -> list[str]:
+    return [sys.executable, "-m", "zeroshard", "train", *args]
+
+
+def _log(path: Path) -> tuple[list[dict], list[dict]]:
+    """(the steps' records, the restarts' records) of a JSON log."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return ([r for r in rows if "event" not in r],
+            [r for r in rows if r.get("event") == "restart"])
+
+
+def _tensors(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {(f.name, k): v for f in sorted(ckpt.glob("rank*.safetensors"))
+            for k, v in load_file(f).items()}
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    """Every tensor of two checkpoints (weights, AdamW's moments and step, RNG state)
+    equal bit for bit."""
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys() and len(ta) > 10
+    differ = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not differ, f"{len(differ)} of {len(ta)} tensors differ: {differ[:5]}"
+
+
+def _restarted(out: str, log: Path, resumed: list[int], ckpts: Path, world: int = 2) -> None:
+    """Each restart is one line of the output and one record of the JSON log, resuming
+    the steps ``resumed``; the run then trains to step 40."""
+    lines = [x for x in out.splitlines() if x.startswith("restart ")]
+    assert len(lines) == len(resumed), out
+    for k, (line, step) in enumerate(zip(lines, resumed), start=1):
+        assert line.startswith(f"restart {k}: resumed from {ckpts / f'step-{step:06d}'} "
+                               f"(step {step}): weights, optimizer state, schedule, at N = "
+                               f"{world}"), line
+    steps, restarts = _log(log)
+    assert [r["resumed_from"] for r in restarts] == resumed, restarts
+    assert [r["restart"] for r in restarts] == list(range(1, len(resumed) + 1))
+    assert steps[-1]["step"] == 40
+    assert [r["step"] for r in steps[-(40 - resumed[-1]):]] == list(range(resumed[-1] + 1, 41))
+
+
+def test_torchrun_restarts_after_a_kill_and_a_kill_in_a_save_end_bit_for_bit(tmp_path):
+    """Plain torchrun (its c10d rendezvous and shared store, no setting), stage 3: rank 1
+    killed at step 15 (resumes from 10), then killed half-way through its file of the
+    step-30 save (resumes from 20); step 40 equals an uninterrupted run's bit for bit."""
+    _run(_train(*GPT, "--stage", "3", "--save-dir", str(tmp_path / "ref")), _env(tmp_path))
+    faults = [{"attempt": 0, "rank": 1, "step": 15, "how": "kill"},
+              {"attempt": 1, "rank": 1, "step": 30, "how": "kill-in-save"}]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "--max-restarts", "2", "-m", "zeroshard", "train", *GPT, "--stage", "3",
+           "--save-dir", str(tmp_path / "run"), "--json-log", str(tmp_path / "log.jsonl")]
+    out = _run(cmd, _env(tmp_path, faults))
+    _restarted(out, tmp_path / "log.jsonl", [10, 20], tmp_path / "run")
+    _same_weights(tmp_path / "run" / "step-000040", tmp_path / "ref" / "step-000040")
+
+
+def _llama(root: Path) -> Path:
+    """A Llama of a few thousand parameters, without a tokenizer (it trains on the
+    built-in corpus's bytes)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32, tie_word_embeddings=True,
+                         bos_token_id=None, eos_token_id=0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "llama")
+    return root / "llama"
+
+
+def test_zeroshard_train_restarts_a_killed_and_a_frozen_rank_of_a_hf_model(tmp_path):
+    """``zeroshard train --max-restarts``, a Hugging Face Llama at stage 0: rank 1 killed at
+    step 15 (resumes from 10), then frozen by SIGSTOP at step 25: rank 0's collective
+    times out (5 s), the launcher restarts both (resumes from 20); step 40 equals an
+    uninterrupted run's bit for bit, and a restart costs seconds."""
+    pytest.importorskip("transformers")
+    run = [*RUN, "--hf-model", str(_llama(tmp_path)), "--seq-len", "32", "--stage", "0",
+           "--timeout", "5"]
+    _run(_train(*run, "--save-dir", str(tmp_path / "ref")), _env(tmp_path))
+    faults = [{"attempt": 0, "rank": 1, "step": 15, "how": "kill"},
+              {"attempt": 1, "rank": 1, "step": 25, "how": "stop"}]
+    out = _run(_train(*run, "--save-dir", str(tmp_path / "run"), "--max-restarts", "2",
+                      "--json-log", str(tmp_path / "log.jsonl")), _env(tmp_path, faults))
+    _restarted(out, tmp_path / "log.jsonl", [10, 20], tmp_path / "run")
+    _same_weights(tmp_path / "run" / "step-000040", tmp_path / "ref" / "step-000040")
+    fired = [json.loads(x)["time"] for x in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    _, restarts = _log(tmp_path / "log.jsonl")
+    # from the fault to the restarted ranks' start: the launcher's detection and restart
+    # (the frozen rank: the 5 s timeout, 5 s for the others' roll call, 5 s grace); bounds
+    # loose enough for a loaded machine, far below torch's default 30-minute timeout
+    assert 0 < restarts[0]["process_start"] - fired[0] < 60, (fired, restarts)
+    assert 15 < restarts[1]["process_start"] - fired[1] < 90, (fired, restarts)
+
+
+def test_resume_auto_starts_fresh_only_where_no_save_completed(tmp_path):
+    """No folder, or one where a run was stopped in its first save (only a ``.partial``
+    copy): a first start. A folder with ``latest``: its checkpoint (checked in the
+    launches above and, refused for another run's settings, in docs/bad-inputs.md)."""
+    cfg = TrainConfig(save_dir=str(tmp_path / "d"), resume="auto")
+    assert checkpoint_to_resume(cfg) is None
+    (tmp_path / "d" / "step-000010.partial").mkdir(parents=True)
+    assert checkpoint_to_resume(cfg) is None
