@@ -36,6 +36,13 @@ from .peak import peak
 _DIM_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
 
 
+def _restarts(args, model, recipe, times, plans, shown, tp, group):
+    """The restart cost of the first strategy shown that fits (else the first shown)."""
+    st = next((t for t, p in zip(times, plans) if t.strategy in shown and p.fits),
+              next(t for t in times if t.strategy in shown))
+    return timecmd.restarts(args, model, recipe, st, group or args.gpus // tp)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model (one of --model, --hf-config, --params, or dimensions)")
     m.add_argument("--model", metavar="NAME",
@@ -364,6 +371,9 @@ def run(args) -> int:
                             for n, ps in sweep_plans.items()}
         if times is not None:
             out["time"] = [t.as_dict() for t in times if t.strategy in shown]
+            if args.save_every or args.mtbf_hours:
+                cost, text = _restarts(args, model, recipe, times, plans, shown, tp, group)
+                out["restarts"] = {**cost.as_dict(), "text": text}
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
@@ -393,6 +403,8 @@ def run(args) -> int:
             render.sweep_table(sweep_plans, shown, unit, args.gib)
         if times is not None:
             render.time_table(times, plans, shown, args)
+            if args.save_every or args.mtbf_hours:
+                render.line(_restarts(args, model, recipe, times, plans, shown, tp, group)[1])
     if args.plot:
         render.plot(args.plot, model, recipe, args.gpus, budget, plans, shown, unit, args.gib)
     return 0

@@ -8,6 +8,7 @@ memory plan as well, and so does ``--shard-group`` (hybrid sharding: :func:`shar
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from .hardware import (
     ACCELERATORS,
@@ -24,6 +25,7 @@ from .hardware import (
 from .memory import Workload, dp_degree
 from .offload import SUB_GROUP_SIZE
 from .recommend import HEADROOM, recommend
+from .restart import RESTART_S, checkpoint_bytes, plan_restarts
 from .steptime import step_times
 
 #: Global batch of --recommend when none is given: 1,024 sequences (2M tokens at 2,048).
@@ -73,6 +75,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {HEADROOM})")
     t.add_argument("--blocks-per-unit", type=int, default=1,
                    help="with --time: transformer blocks per unit (default 1)")
+    t.add_argument("--save-every", type=int, metavar="STEPS",
+                   help="with --time or --recommend: what a failure costs a run that saves "
+                        "a checkpoint every STEPS steps (detect, restart, load, the steps "
+                        "since the last save) and what saving costs (plan/restart.py)")
+    t.add_argument("--mtbf-hours", type=float, metavar="H",
+                   help="with --time or --recommend: the job's mean time between failures; "
+                        "adds the share of the run lost and the save interval that loses "
+                        "least (Young 1974, Daly 2006)")
+    t.add_argument("--restart-seconds", type=float, metavar="S",
+                   help=f"with --save-every or --mtbf-hours: seconds from the end of a "
+                        f"failed attempt to the ranks built again (default {RESTART_S:g})")
 
 
 def check(args) -> None:
@@ -96,6 +109,14 @@ def check(args) -> None:
         raise ValueError(f"--efficiency={args.efficiency} must be in (0, 1]")
     if args.time and args.recommend:
         raise ValueError("--time and --recommend contradict each other; give one")
+    for name in ("save_every", "mtbf_hours", "restart_seconds"):
+        v = getattr(args, name)
+        if v is not None and (v <= 0 or not (args.time or args.recommend)):
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be positive" if v <= 0 else
+                             f"--{name.replace('_', '-')} prices restarts in the step time: "
+                             "add --time or --recommend")
+    if args.restart_seconds is not None and not (args.save_every or args.mtbf_hours):
+        raise ValueError("--restart-seconds needs --save-every or --mtbf-hours")
     if args.tp is not None:
         dp_degree(args.gpus, args.tp)
     cluster(args)  # names an unknown preset even when no time is asked for
@@ -170,10 +191,24 @@ def run_time(args, model, recipe, work, zeropp=None) -> list:
                       zeropp, args.offload_dir, sub_group_size(args))
 
 
+def restarts(args, model, recipe, st, writers: int):
+    """``plan/restart.py``'s cost and sentence for steps of ``st`` (a StepTime), the
+    checkpoint written by ``writers`` ranks at the host's disk bandwidth each."""
+    return plan_restarts(st.step, checkpoint_bytes(model.params, recipe), writers,
+                         cluster(args).host.disk_bandwidth, args.save_every,
+                         None if args.mtbf_hours is None else args.mtbf_hours * 3600,
+                         args.restart_seconds or RESTART_S, what=f" ({st.strategy})")
+
+
 def run_recommend(args, model, recipe, budget):
     seq = args.seq_len or args.tokens
-    return recommend(model, recipe, args.gpus, budget, cluster(args),
-                     args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
-                     args.tp, args.prefetch, headroom=args.headroom,
-                     shard_group=shard_group(args, per_tp=True), offload=args.offload,
-                     offload_dir=args.offload_dir, sub_group_size=sub_group_size(args))
+    rec = recommend(model, recipe, args.gpus, budget, cluster(args),
+                    args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
+                    args.tp, args.prefetch, headroom=args.headroom,
+                    shard_group=shard_group(args, per_tp=True), offload=args.offload,
+                    offload_dir=args.offload_dir, sub_group_size=sub_group_size(args))
+    if rec.best is not None and (args.save_every or args.mtbf_hours):
+        _, text = restarts(args, model, recipe, rec.best.time,
+                           rec.best.shard_group or rec.best.dp)
+        rec = replace(rec, notes=(*rec.notes, text))
+    return rec
