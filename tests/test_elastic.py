@@ -190,3 +190,32 @@ def test_a_lost_node_leaves_the_run_at_n_2_resumed_from_its_last_save(tmp_path):
     _run(_train(*again), _env(tmp_path))
     at_two, _ = _log(tmp_path / "again.jsonl")
     assert [r["loss"] for r in steps[-10:]] == [r["loss"] for r in at_two]
+
+
+def test_the_line_of_a_restart_without_a_checkpoint_and_of_a_resume_at_another_n(tmp_path):
+    """What ``restart.announce`` says where no launch above goes: a restart before the
+    first save, a rerun of the command at another N (its nodes are another launch's: no
+    rank is called lost), and no line at all for a first start."""
+    from types import SimpleNamespace
+
+    from zeroshard.train.restart import announce
+
+    said = []
+    log = tmp_path / "log.jsonl"
+    with open(log, "w") as fh:
+        run = SimpleNamespace(cfg=TrainConfig(save_dir="runs/ckpt", steps=40, batch=8),
+                              world=1, micro=8, accum=1, nodes=["h:9"], log=fh,
+                              out=SimpleNamespace(line=said.append))
+        announce(run, None, {}, 0, 0.0)
+        announce(run, None, {}, 1, 0.0)
+        extra = {"step": 10, "world": 2, "nodes": ["h:1", "h:1"]}
+        announce(run, Path("runs/ckpt/step-000010"), extra, 0, 0.1)
+        announce(run, Path("runs/ckpt/step-000040"), {**extra, "step": 40}, 0, 0.1)
+    assert said == [
+        "restart 1: no checkpoint in runs/ckpt yet: training again from step 0 at N = 1",
+        "resumed from runs/ckpt/step-000010 (step 10): weights, optimizer state, schedule; "
+        "now at N = 1, saved at N = 2: global batch 8 = 1 x 8 x 1 micro-batch(es)",
+        "runs/ckpt/step-000040 is at step 40 of 40: nothing to train"]
+    _, restarts = _log(log)
+    assert [(r["restart"], r["resumed_from"], r["checkpoint"]) for r in restarts] == \
+        [(1, 0, None)]
