@@ -99,8 +99,20 @@ def json_out(args, model, dims, config, work, budget, shown, r: Result) -> None:
                         for n, ps in r.sweep.items()}
     if r.times is not None:
         out["time"] = [t.as_dict() for t in r.times if t.strategy in shown]
+        if args.save_every or args.mtbf_hours:
+            cost, text = _restarts(args, model, dims, config, r, shown)
+            out["restarts"] = {**cost.as_dict(), "text": text}
     json.dump(out, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def _restarts(args, model, dims, config, r: Result, shown):
+    """What a failure costs (``--save-every`` / ``--mtbf-hours``): at the step time of
+    the first strategy shown that fits, else the first shown; the checkpoint written by
+    the K ranks of a shard group (``plan/restart.py``)."""
+    st = next((t for t, p in zip(r.times, r.plans) if t.strategy in shown and p.fits),
+              next(t for t in r.times if t.strategy in shown))
+    return plan_time.restarts(args, model, config, st, dims.shard_size)
 
 
 def _disk_line(args, plans, io, shown, config, unit) -> str:
@@ -144,6 +156,8 @@ def text_out(args, model, dims, config, work, budget, shown, unit, r: Result) ->
         render.sweep_table(r.sweep, shown, unit, args.gib)
     if r.times is not None:
         render.time_table(r.times, r.plans, shown, args)
+        if args.save_every or args.mtbf_hours:
+            render.line(_restarts(args, model, dims, config, r, shown)[1])
 
 
 def write_html(args, model: ModelSpec, config: ZeroConfig) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 from ..plan.hardware import (
     ACCELERATORS,
@@ -24,6 +25,7 @@ from ..plan.hardware import (
     get_network,
 )
 from ..plan.recommend import HEADROOM, recommend
+from ..plan.restart import RESTART_S, checkpoint_bytes, plan_restarts
 from ..plan.steptime import Schedule, step_times
 from ..plan.workload import Workload
 from ..spec.config import PLANNED_DISK
@@ -75,6 +77,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {HEADROOM})")
     t.add_argument("--blocks-per-unit", type=int, default=1,
                    help="with --time: transformer blocks per unit (default 1)")
+    t.add_argument("--save-every", type=int, metavar="STEPS",
+                   help="with --time or --recommend: what a failure costs a run that saves "
+                        "a checkpoint every STEPS steps (detect, restart, load, the steps "
+                        "since the last save) and what saving costs (plan/restart.py)")
+    t.add_argument("--mtbf-hours", type=float, metavar="H",
+                   help="with --time or --recommend: the job's mean time between failures; "
+                        "adds the share of the run lost and the save interval that loses "
+                        "least (Young 1974, Daly 2006)")
+    t.add_argument("--restart-seconds", type=float, metavar="S",
+                   help=f"with --save-every or --mtbf-hours: seconds from the end of a "
+                        f"failed attempt to the ranks built again (default {RESTART_S:g})")
 
 
 def check(args) -> None:
@@ -99,6 +112,14 @@ def check(args) -> None:
         raise ValueError(f"--efficiency={args.efficiency} must be in (0, 1]")
     if args.time and args.recommend:
         raise ValueError("--time and --recommend contradict each other; give one")
+    for name in ("save_every", "mtbf_hours", "restart_seconds"):
+        v = getattr(args, name)
+        if v is not None and (v <= 0 or not (args.time or args.recommend)):
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be positive" if v <= 0 else
+                             f"--{name.replace('_', '-')} prices restarts in the step time: "
+                             "add --time or --recommend")
+    if args.restart_seconds is not None and not (args.save_every or args.mtbf_hours):
+        raise ValueError("--restart-seconds needs --save-every or --mtbf-hours")
     if args.tp is not None:
         dp(args, args.tp)
     cluster(args)  # names an unknown preset even when no time is asked for
@@ -176,12 +197,27 @@ def run_time(args, model, dims, config, work) -> list:
     return step_times(model, dims, config, work, cluster(args), schedule)
 
 
+def restarts(args, model, config, st, writers: int):
+    """``plan/restart.py``'s cost and sentence for steps of ``st`` (a StepTime), the
+    checkpoint of ``config``'s recipe written by ``writers`` ranks at the host's disk
+    bandwidth each."""
+    return plan_restarts(st.step, checkpoint_bytes(model.params, config.recipe), writers,
+                         cluster(args).host.disk_bandwidth, args.save_every,
+                         None if args.mtbf_hours is None else args.mtbf_hours * 3600,
+                         args.restart_seconds or RESTART_S, what=f" ({st.strategy})")
+
+
 def run_recommend(args, model, config, budget):
     """``--recommend``: ``config`` gives the precision, a fixed ``--shard-group`` and an
     asked ``--offload``; ``--offload-dir`` without one places a fallback offload on
-    disk."""
+    disk; ``--save-every`` / ``--mtbf-hours`` add what restarts cost the pick."""
     seq = args.seq_len or args.tokens
     fallback_dir = PLANNED_DISK if args.offload_dir and not args.offload else None
-    return recommend(model, config, args.gpus, budget, cluster(args),
-                     args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
-                     args.tp, args.prefetch, headroom=args.headroom, offload_dir=fallback_dir)
+    rec = recommend(model, config, args.gpus, budget, cluster(args),
+                    args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
+                    args.tp, args.prefetch, headroom=args.headroom, offload_dir=fallback_dir)
+    if rec.best is not None and (args.save_every or args.mtbf_hours):
+        _, text = restarts(args, model, config, rec.best.time,
+                           rec.best.shard_group or rec.best.dp)
+        rec = replace(rec, notes=(*rec.notes, text))
+    return rec

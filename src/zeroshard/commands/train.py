@@ -131,10 +131,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-dir", metavar="DIR", help="write sharded checkpoints here")
     p.add_argument("--save-every", type=int, help="checkpoint every this many steps "
                                                   "(default: only at the end)")
-    p.add_argument("--resume", metavar="CKPT", help="a checkpoint path, or 'latest' in "
-                                                    "--save-dir; any --nproc and --stage")
+    p.add_argument("--resume", metavar="CKPT", help="a checkpoint path, 'latest' in "
+                                                    "--save-dir, or 'auto': latest when "
+                                                    "there is one, else a first start; any "
+                                                    "--nproc and --stage")
     p.add_argument("--init-from", metavar="PATH", help="initial weights from consolidated "
                                                        "safetensors")
+    p.add_argument("--max-restarts", type=int, metavar="K", default=0,
+                   help="start every process again, up to K times, after one fails or a "
+                        "collective times out; with --resume auto each restart resumes the "
+                        "last checkpoint (default 0; under torchrun, torchrun's own flag)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help=f"how long a rank waits for the others in any collective before it "
                         f"fails (default {d.timeout:g})")
@@ -168,4 +174,4 @@ def run(args) -> int:
             cfg = _config(args)  # flags checked before anything launches
         if job.on_a_rank():  # a rank: of this command's launcher, or of torchrun
             return job.run_rank(cfg)
-        return job.launch(cfg, debug=args.debug)
+        return job.launch(cfg, debug=args.debug, max_restarts=args.max_restarts)

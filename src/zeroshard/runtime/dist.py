@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import time
+import uuid
 from datetime import timedelta
 
 import torch
@@ -20,10 +22,13 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
 
     gloo on CPU, nccl when CUDA is available (each process takes the GPU of its
     LOCAL_RANK). Without torchrun's variables it starts a group of one, so a script
-    runs unchanged on a laptop. Where MASTER_ADDR is a loopback address and no torchrun
-    agent hosts the store, rank 0 serves the rendezvous store on loopback only and gloo
-    is kept to the loopback interface. ``timeout_s`` bounds every wait in every group
-    (the engine's groups inherit it). Calling it again is a no-op."""
+    runs unchanged on a laptop. Where a torchrun agent hosts the store (its default),
+    each attempt of the job keys the group in a namespace of its own (``attempt_store``),
+    so workers that torchrun restarts always re-form it. Where MASTER_ADDR is a loopback
+    address and no agent hosts the store, rank 0 serves the rendezvous store on
+    loopback only; with a loopback MASTER_ADDR gloo is kept to the loopback interface.
+    ``timeout_s`` bounds every wait in every group (the engine's groups inherit it).
+    Calling it again is a no-op."""
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
             0 < timeout_s <= 1e9):
         raise ValueError(f"timeout_s={timeout_s!r}; expected a finite number of seconds > 0 "
@@ -43,19 +48,21 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     timeout = timedelta(seconds=timeout_s)
     addr = os.environ.get("MASTER_ADDR", "")
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    if is_loopback(addr) and not agent:
-        # One machine: the store and gloo's sockets listen on loopback only (torch's
-        # own env:// rendezvous would listen on every interface).
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = loopback_store(addr, int(os.environ.get("MASTER_PORT", "0")), rank, world,
-                               timeout)
-        if loopback_interface() and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timeout)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    if is_loopback(addr) and loopback_interface() and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # gloo's sockets too
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        store = attempt_store(dist.TCPStore(addr, port, is_master=False, timeout=timeout),
+                              rank, world, timeout)
+    elif is_loopback(addr):
+        # One machine: the store listens on loopback only (torch's own env://
+        # rendezvous would listen on every interface).
+        store = loopback_store(addr, port, rank, world, timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+        return dist.get_rank(), dist.get_world_size()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -78,6 +85,61 @@ def _check_rank_environment() -> None:
         raise ValueError(f"{set_here} in the environment make this process a rank of a job, "
                          f"but {problem}: start every rank with torchrun, or unset RANK and "
                          "WORLD_SIZE (left from an earlier launch?) for a group of one")
+
+
+#: Where ``attempt_store`` keeps its keys in a torchrun agent's store.
+_ATTEMPTS = "zeroshard/attempts"
+
+
+def attempt_store(agent, rank: int, world: int, timeout: timedelta):
+    """This attempt's namespace of the torchrun agent's store ``agent``: every worker of
+    the attempt gets the same one, and no earlier attempt used it.
+
+    [Note: restarts] torchrun's agent hosts the store its workers rendezvous in
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, the c10d backend's default since
+    pytorch/pytorch#128096) and keeps it across restarts. torch keys the group in it
+    under fixed names (``init_process_group``: ``PrefixStore("default_pg", store)``,
+    ``torch/distributed/distributed_c10d.py``), so a restarted worker can read the
+    address that a peer of the attempt before wrote there, connect to a dead socket,
+    and fail or hang: the group re-forms only sometimes (pytorch/pytorch#135712).
+    ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt: each agent counts its own
+    restarts, and a node restarted because another failed does not count
+    (``torch/distributed/elastic/agent/server/api.py``, ``_invoke_run``), so nodes
+    disagree. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it, but only when set where
+    the agent starts, which a worker cannot do.
+
+    So rank 0 draws a fresh random name and tells it to each other rank in answer to a
+    fresh random question: rank r pushes a nonce onto a queue and waits for the key
+    ``reply/<nonce>``, which nobody can have written before (a stale key cannot be
+    read); rank 0 answers every nonce on the queue (stale ones from dead workers too,
+    harmlessly) until every rank has counted itself in under the new name. Every
+    worker of an attempt starts after every worker of the attempt before has been
+    stopped (the agent stops its workers before it rendezvous again), so the name is
+    this attempt's alone. The store stays the agent's, which outlives the workers (what
+    #128096 shares it for)."""
+    if rank == 0:
+        name = uuid.uuid4().hex
+        joined = f"{_ATTEMPTS}/{name}/joined"
+        deadline = time.monotonic() + timeout.total_seconds()
+        while world > 1 and agent.add(joined, 0) < world - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 waited {timeout.total_seconds():g} s for "
+                                   f"{world - 1 - agent.add(joined, 0)} of {world - 1} "
+                                   "ranks to join the process group")
+            try:
+                nonce = agent.queue_pop(f"{_ATTEMPTS}/hello", block=False).decode()
+            except dist.QueueEmptyError:
+                time.sleep(0.02)
+                continue
+            agent.set(f"{_ATTEMPTS}/reply/{nonce}", name)
+    else:
+        nonce = uuid.uuid4().hex
+        agent.queue_push(f"{_ATTEMPTS}/hello", nonce)
+        agent.wait([f"{_ATTEMPTS}/reply/{nonce}"], timeout)
+        name = agent.get(f"{_ATTEMPTS}/reply/{nonce}").decode()
+        agent.delete_key(f"{_ATTEMPTS}/reply/{nonce}")
+        agent.add(f"{_ATTEMPTS}/{name}/joined", 1)
+    return dist.PrefixStore(f"{_ATTEMPTS}/{name}/", agent)
 
 
 _LISTENERS: list = []  # sockets whose descriptors a store server listens on

@@ -89,12 +89,12 @@ def check_values(cfg) -> None:
                          "the share of the data held out for validation, e.g. 0.05")
     if cfg.model not in PRESETS:
         raise ValueError(f"model={cfg.model!r}; expected one of {', '.join(PRESETS)}")
-    if cfg.resume == "latest" and not cfg.save_dir:
-        raise ValueError("resume='latest' needs save_dir")
+    if cfg.resume in ("latest", "auto") and not cfg.save_dir:
+        raise ValueError(f"resume={cfg.resume!r} needs save_dir")
     if (cfg.keep_last or cfg.save_every) and not cfg.save_dir:
         raise ValueError(f"{'keep_last' if cfg.keep_last else 'save_every'} needs "
                          "save_dir, the folder the checkpoints go to")
-    if cfg.resume and cfg.init_from:
+    if cfg.resume and cfg.resume != "auto" and cfg.init_from:  # auto: init_from first
         raise ValueError(f"resume={cfg.resume!r} and init_from={cfg.init_from!r} contradict "
                          "each other; give one")
     for name in ("sample_chars", "weight_decay"):

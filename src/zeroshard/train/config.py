@@ -82,8 +82,9 @@ class TrainConfig:
     """Keep only the ``keep_last`` checkpoints saved last in ``save_dir``, removing older
     ones after each save (never the one ``latest`` names); None keeps every one."""
     resume: str | None = None
-    """Resume from a checkpoint: a path, or "latest" for the newest in ``save_dir``.
-    Any --nproc and --stage can resume any checkpoint."""
+    """Resume from a checkpoint: a path, "latest" for the newest in ``save_dir``, or
+    "auto": that one when there is one, else a first start (what a restart needs; see
+    ``resume.checkpoint_to_resume``). Any --nproc and --stage can resume any checkpoint."""
     profile: str | None = None
     """Profile steps 2-3 (after the first, which records the gather order) and write a
     Chrome trace per rank and the lifetime chart into this directory."""

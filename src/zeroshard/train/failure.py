@@ -40,7 +40,9 @@ def record(exc: BaseException, rank: int) -> int:
     folder = os.environ.get(ERROR_DIR)
     if folder and Path(folder).is_dir():
         tmp = Path(folder) / f".rank{rank}.json"
-        tmp.write_text(json.dumps({"rank": rank, "line": line, "code": code}))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)  # --max-restarts
+        tmp.write_text(json.dumps({"rank": rank, "line": line, "code": code,
+                                   "attempt": attempt}))
         os.replace(tmp, Path(folder) / f"rank{rank}.json")  # whole, or not there at all
     else:
         sys.stderr.write(f"[rank {rank}] {line}\n")
@@ -48,7 +50,8 @@ def record(exc: BaseException, rank: int) -> int:
 
 
 def recorded(folder: str | Path) -> dict[int, dict]:
-    """The errors the ranks wrote into ``folder``, by rank."""
+    """The errors the ranks of the last attempt that wrote any wrote into ``folder``, by
+    rank (an attempt restarted by ``--max-restarts`` leaves its ranks' errors behind)."""
     out = {}
     for path in Path(folder).glob("rank*.json"):
         try:
@@ -56,7 +59,8 @@ def recorded(folder: str | Path) -> dict[int, dict]:
         except (OSError, ValueError):
             continue
         out[int(entry["rank"])] = entry
-    return out
+    last = max((e.get("attempt", 0) for e in out.values()), default=0)
+    return {r: e for r, e in out.items() if e.get("attempt", 0) == last}
 
 
 def told(folder: str | Path, failures: dict[int, tuple[int, str]], first: int) -> tuple[str, int]:

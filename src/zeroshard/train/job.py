@@ -39,10 +39,17 @@ def on_a_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(cfg: TrainConfig, debug: bool = False) -> int:
+def launch(cfg: TrainConfig, debug: bool = False, max_restarts: int = 0) -> int:
     """Check everything, then run ``cfg.nproc`` local ranks and wait for them; the
     launcher's exit code. ``debug``: the ranks' full tracebacks and the launcher's
-    report, not the error's one line."""
+    report, not the error's one line. ``max_restarts``: times torch's launcher starts
+    every rank again after one fails (each resumes the last checkpoint: ``resume
+    auto``)."""
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts={max_restarts} must be 0 or more")
+    if max_restarts and cfg.resume != "auto":
+        raise ValueError(f"--max-restarts={max_restarts} needs --resume auto (and --save-dir): "
+                         "a restart resumes the last checkpoint")
     cfg.accumulation(cfg.nproc)  # the batch must divide over the processes
     source = model_source(cfg)  # a Hugging Face folder read, the sequence length checked
     held = preflight.check(cfg, source)  # every path, before any process starts
@@ -52,7 +59,8 @@ def launch(cfg: TrainConfig, debug: bool = False) -> int:
         env[failure.DEBUG] = "1"
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     cmd = [sys.executable, "-m", "zeroshard.train.launch",  # torchrun, on loopback only
-           "--nproc-per-node", str(cfg.nproc), "-m", "zeroshard", "train"]
+           "--nproc-per-node", str(cfg.nproc), "--max-restarts", str(max_restarts),
+           "-m", "zeroshard", "train"]
     with held:
         corpus = datasource.prepare(cfg, source.vocab, source.seq_len)  # tokenized once, here
         try:

@@ -20,6 +20,32 @@ import sys
 
 BACKEND = "zeroshard-loopback"
 
+#: Seconds a rank stopped for a restart has between SIGTERM and SIGKILL.
+STOP_GRACE_S = 5
+
+
+def _stop_soon() -> None:
+    """Stop the other ranks of a failed attempt within ``STOP_GRACE_S``. torch's agent
+    gives them 30 s, whatever its ``--shutdown-timeout``: the process context closes the
+    rest when one fails with ``close()``'s default (``SubprocessContext._poll``,
+    torch/distributed/elastic/multiprocessing/api.py), and a restart stops them with
+    ``_shutdown()``'s (``LocalElasticAgent._stop_workers``,
+    torch/distributed/elastic/agent/server/local_elastic_agent.py). A rank of ``zeroshard
+    train`` handles no SIGTERM (it dies at once), but a frozen one (SIGSTOP) never sees
+    it: the wait only delays the restart. Ctrl-C's shutdown passes its own timeout."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+
+    def close_soon(self, death_sig=None, timeout: int = STOP_GRACE_S) -> None:
+        close(self, death_sig, timeout)
+
+    def stop_soon(self, worker_group) -> None:
+        self._shutdown(timeout=STOP_GRACE_S)
+
+    PContext.close, LocalElasticAgent._stop_workers = close_soon, stop_soon
+
 
 def _create_handler(params):
     from torch.distributed.elastic.rendezvous import (
@@ -66,6 +92,7 @@ def main(argv: list[str]) -> int:
     from . import failure
 
     rendezvous_handler_registry.register(BACKEND, _create_handler)
+    _stop_soon()
     if loopback_interface() and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
     debug = failure.debugging()

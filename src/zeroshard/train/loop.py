@@ -20,6 +20,7 @@ from .datasource import open_source
 from .hfmodel import model_source
 from .profile import profile_report
 from .report import Reporter, layout
+from .restart import restarted
 from .resume import checkpoint_to_resume, resume
 from .run import Run
 from .save import save, save_due
@@ -37,7 +38,7 @@ def train(cfg: TrainConfig) -> dict:
             if evaluation_due(cfg, step + 1):
                 evaluation(run, record)
             run.out.step(record)
-            run.board.step(record, run.model.skipped_steps)
+            run.board.step(record, run.skipped_steps)
             if save_due(cfg, step + 1):
                 save(run, step + 1)
             if run.log:
@@ -88,6 +89,9 @@ def set_up(cfg: TrainConfig) -> Run:
             folder(name, getattr(cfg, name))
     checkpoint = checkpoint_to_resume(cfg)
     source = model_source(cfg)
+    # torch seeds its global generator at random at start-up: a model's dropout (GPT-2's)
+    # would differ between two runs of one command (a resume restores the saved state)
+    torch.manual_seed(cfg.seed)
     model = source.build(load_weights=not (checkpoint or cfg.init_from))
     if model.profiler is not None:
         model.profiler.enabled = False
@@ -101,7 +105,7 @@ def set_up(cfg: TrainConfig) -> Run:
     unit_params = [sum(p.numel() for p in u.params) for u in model.units]
     out = Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
                    label=source.label, origin=source.source)
-    log = (open(cfg.json_log, "a" if checkpoint else "w", encoding="utf-8")
+    log = (open(cfg.json_log, "a" if checkpoint or restarted() else "w", encoding="utf-8")
            if cfg.json_log and rank == 0 else None)
     out.header()
     return Run(cfg, rank, world, device, micro, accum, source, model, optimizer, scheduler,

@@ -35,7 +35,8 @@ def _same_model(where: str, found: dict[str, tuple[int, ...]],
 
 def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> int:
     """The checkpoint to resume: found, of this model, saved by the trainer, and short of
-    ``steps``. Returns its step."""
+    ``steps`` (for "auto", a run trained to its end already is done, not wrong). Returns
+    its step."""
     from ..checkpoint.sharded import read_manifest, resolve
 
     ckpt = resolve(checkpoint_to_resume(cfg))
@@ -48,7 +49,7 @@ def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> int:
                          "step and schedule); start from its weights with --init-from after "
                          "`zeroshard export`")
     done = int(extra["step"])
-    if done >= cfg.steps:
+    if done >= cfg.steps and cfg.resume != "auto":
         raise ValueError(f"resume={cfg.resume!r}: {ckpt} is at step {done} and steps="
                          f"{cfg.steps}: nothing to train; give --steps above {done} (the "
                          "total, counting the steps already trained)")

@@ -99,6 +99,12 @@ class Reporter:
         if self.enabled:
             (self.progress.console if self.progress else self.console).print(text)
 
+    def line(self, text: str) -> None:
+        """``text`` as one line, however long (not wrapped, no markup)."""
+        if self.enabled:
+            (self.progress.console if self.progress else self.console).print(
+                text, soft_wrap=True, markup=False, highlight=False)
+
     def skipped(self, step: int, in_a_row: int, total: int) -> None:
         if self.enabled:
             self.progress.console.print(

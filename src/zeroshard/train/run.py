@@ -66,9 +66,19 @@ class Run:
     saves left out)."""
     skipped_in_a_row: int = 0
     """Consecutive steps skipped for non-finite gradients."""
+    skipped_before: int = 0
+    """Steps skipped before the step resumed from (the checkpoint's count)."""
+    nodes: list[str] = field(default_factory=list)
+    """Each rank's node (``restart.node``): a checkpoint keeps them, so a restart at a
+    smaller world can name the ranks lost."""
     held: list[dict[str, int]] = field(default_factory=list)
     """The memory summary, read during the last step where every category is live."""
 
     @property
     def seq_len(self) -> int:
         return self.source.seq_len
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients over the whole run, restarts included."""
+        return self.skipped_before + self.model.skipped_steps

@@ -31,11 +31,14 @@ def saved_config(cfg: TrainConfig) -> dict:
 
 def save(run: Run, step: int) -> None:
     """Save step ``step``'s checkpoint: the weights and optimizer state, with the step,
-    the schedule, the settings and (fp16) the loss scale, which resuming reads back. The
-    save's collectives are not the step's traffic."""
+    the schedule, the settings, the skipped-step counters, the world and its nodes and
+    (fp16) the loss scale, which resuming reads back. The save's collectives are not the
+    step's traffic."""
     scaler = run.scaler
     extra = {"step": step, "scheduler": run.scheduler.state_dict(),
-             "config": saved_config(run.cfg),
+             "config": saved_config(run.cfg), "skipped_steps": run.skipped_steps,
+             "skipped_in_a_row": run.skipped_in_a_row, "world": run.world,
+             "nodes": run.nodes,
              **({"loss_scaler": scaler.state_dict()} if scaler.enabled else {})}
     _save(run, step, extra)
     run.model.comm_stats(reset=True)

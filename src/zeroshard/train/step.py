@@ -137,7 +137,7 @@ def _count_skipped(run: Run, step: int) -> None:
     run.skipped_in_a_row = run.skipped_in_a_row + 1 if model.last_step_skipped else 0
     in_a_row = run.skipped_in_a_row
     if in_a_row:
-        run.out.skipped(step, in_a_row, model.skipped_steps)
+        run.out.skipped(step, in_a_row, run.skipped_steps)
     if in_a_row >= cfg.max_skipped:
         raise FloatingPointError(
             f"{in_a_row} steps in a row (to step {step}) were skipped for "
