@@ -69,9 +69,12 @@ def check_save(model, optimizer, path, extra) -> None:
     """``zs.save``'s arguments, ``extra`` agreed by every rank before anything is written."""
     sharded_model(model, "zs.save()")
     path_given(path, "zs.save()")
-    if optimizer is not None and not hasattr(optimizer, "param_groups"):
-        raise ValueError(f"zs.save(): optimizer={_what(optimizer)}; expected a torch "
-                         "optimizer of the model's parameters, or None")
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    bad = next((o for o in given if o is not None and not hasattr(o, "param_groups")), None)
+    if bad is not None or (isinstance(optimizer, (list, tuple)) and None in given):
+        raise ValueError(f"zs.save(): optimizer={_what(bad or optimizer)}; expected a torch "
+                         "optimizer of the model's parameters, a list of them (Muon beside "
+                         "AdamW), or None")
     problem = None
     if extra is not None and not isinstance(extra, dict):
         problem = f"zs.save(): extra is a {_what(extra)}; expected a dict (JSON) or None"

@@ -14,10 +14,12 @@ killed and reported instead of hanging.
 
 from __future__ import annotations
 
+import codecs
 import os
 import pickle
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -48,12 +50,17 @@ class RankFailure(RuntimeError):
                 f"{last[0].strip() if last else 'no traceback'}")
 
 
-def _worker(call, rank, world_size, store_path, backend, timeout, results, threads):
+def _worker(call, rank, world_size, store_path, backend, timeout, results, threads, outs):
     import torch
     import torch.distributed as dist
 
     from .dist import release_process_groups
 
+    # A rank forked from the fork server holds the server's stdout and stderr, not the
+    # caller's: it writes into files the caller copies out as they grow (``_Relay``).
+    for fd, path in zip((1, 2), outs):
+        sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), fd)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -70,6 +77,32 @@ def _worker(call, rank, world_size, store_path, backend, timeout, results, threa
         results.put(("error", rank, traceback.format_exc()))
     finally:
         release_process_groups()
+
+
+class _Relay:
+    """The ranks' stdout and stderr, copied to the caller's as they grow: each rank writes
+    into two files of its own (line by line; ``print`` in a rank shows in the caller's
+    output, captured by pytest's ``capfd`` or ``capsys`` as from the caller)."""
+
+    def __init__(self, folder: str, world_size: int):
+        self.paths = [(os.path.join(folder, f"rank{r}.out"), os.path.join(folder, f"rank{r}.err"))
+                      for r in range(world_size)]
+        self._read = {p: 0 for pair in self.paths for p in pair}
+        self._decode = {p: codecs.getincrementaldecoder("utf-8")("replace") for p in self._read}
+
+    def copy(self) -> None:
+        for (out, err) in self.paths:
+            for path, stream in ((out, sys.stdout), (err, sys.stderr)):
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(self._read[path])
+                        data = f.read()
+                except FileNotFoundError:
+                    continue
+                if data:
+                    self._read[path] += len(data)
+                    stream.write(self._decode[path].decode(data))
+                    stream.flush()
 
 
 def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0,
@@ -92,10 +125,11 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: 
     # shared-memory handles, whose file descriptors the fork server can pass only a few
     # hundred of at once.
     call = pickle.dumps((fn, args))
+    relay = _Relay(tmp, world_size)
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(call, r, world_size, os.path.join(tmp, "store"), backend, timeout,
-                          results, threads))
+                          results, threads, relay.paths[r]))
         for r in range(world_size)
     ]
     for p in procs:
@@ -111,8 +145,9 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: 
             limit = deadline
             if now >= limit:
                 break
+            relay.copy()
             try:
-                status, rank, payload = results.get(timeout=min(0.5, limit - now))
+                status, rank, payload = results.get(timeout=min(0.2, limit - now))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs)
                         if not p.is_alive() and p.exitcode not in (0, None)
@@ -130,6 +165,7 @@ def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: 
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        relay.copy()
         shutil.rmtree(tmp, ignore_errors=True)
     if errors:
         body = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
