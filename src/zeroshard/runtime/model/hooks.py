@@ -13,7 +13,7 @@ import functools
 import weakref
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..build.construct import broadcast_buffers
 from ..step.cycle import CycleState
@@ -50,7 +50,12 @@ class PassHooks:
             for i in u.trainable:
                 handles.append(u.params[i].register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, owner, k)))
-            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+            if u.policy.shards_params and len(u.trainable) < len(u.params):
+                # frozen weights: released once its inputs' gradients are done too
+                u.module.register_forward_pre_hook(
+                    functools.partial(self._pre_forward_counted, owner, k), with_kwargs=True)
+            else:
+                u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
 
     @contextlib.contextmanager
@@ -99,6 +104,25 @@ class PassHooks:
         else:
             self.model.prefetcher.use(unit, "forward")
 
+    def _pre_forward_counted(self, owner, k: int, module, args, kwargs):
+        """A unit with frozen parameters: gathered as any, and its inputs that need a
+        gradient pass through :class:`_InputGrads`, which tells the unit when their
+        gradients are computed ([Note: partly frozen units] in ``unit/progress.py``)."""
+        unit = self.model.units[k]
+        self._pre_forward(unit)
+        if not torch.is_grad_enabled() or _recomputing():
+            return None  # a recompute's graph is not the one backward runs
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not where:
+            return None
+        unit.progress.forward_call()
+        passed = _InputGrads.apply(functools.partial(_inputs_hook, owner, k),
+                                   *[flat[i] for i in where])
+        for i, t in zip(where, passed):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
     def _post_forward(self, unit: Unit, out) -> None:
         unit.events.emit("forward_end", unit)
         if not unit.policy.shards_params or self.hold or _recomputing():
@@ -134,6 +158,28 @@ class PassHooks:
         m.cycle.advance("backward_end" if m.reducer.sync else "backward_end_unreduced")
         if m.reducer.sync:  # shards hold their reduced .grad once backward ends (FSDP2)
             m.stepper.finalize_grads()
+
+
+class _InputGrads(torch.autograd.Function):
+    """The identity on a unit's inputs, whose backward runs once their gradients are
+    computed: after every node of the call that reads the unit's weights for them
+    (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, hook, *inputs):
+        ctx.hook = hook
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
+def _inputs_hook(owner: weakref.ref, k: int) -> None:
+    model = owner()
+    if model is not None:
+        model.units[k].inputs_done()
 
 
 def _remove_hooks(handles: list) -> None:
