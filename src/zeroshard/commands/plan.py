@@ -35,7 +35,7 @@ from ..spec.dims import ParallelDims
 from ..spec.formulas import QUANT_BLOCK, SUB_GROUP_SIZE
 from ..spec.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..spec.rules import OFFLOADS
-from . import plan_output, plan_time
+from . import plan_lora, plan_output, plan_time
 
 _DIM_FLAGS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
 
@@ -132,6 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", metavar="FILE.png",
                    help="stacked bars per strategy with the budget line")
     plan_time.add_arguments(p)
+    plan_lora.add_arguments(p)
 
 
 def resolve_model(args) -> ModelSpec:
@@ -282,7 +283,7 @@ def run(args) -> int:
         return 0
     check_flags(args)
     sweep = _sweep(args.sweep)
-    model, config = resolve_model(args), plan_config(args)
+    model, config = plan_lora.apply(args, resolve_model(args)), plan_config(args)
     unit = 2**30 if args.gib else 10**9
     budget = int(args.gpu_mem * unit)
     if args.html:

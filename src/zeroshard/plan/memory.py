@@ -177,9 +177,9 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
     of :func:`unit_sizes` at ``blocks_per_unit``."""
     check_layout(dims, config)
     work = work or Workload()
-    placed = placed_bytes(model.params, dims, config)
+    placed = placed_bytes(model.params, dims, config, model.trainable)
     units = unit_sizes(model, blocks_per_unit) if uses_zeropp(config) else None
-    levels = comm_bytes_by_level(model.params, dims, config, units)
+    levels = comm_bytes_by_level(model.params, dims, config, units, model.trainable)
     kept = sum(secondary_bytes(model.params, dims, config, units))
     recipe, device = config.recipe, placed.device
     return StrategyPlan(

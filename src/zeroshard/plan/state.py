@@ -51,19 +51,22 @@ def owned(params: int, dims: ParallelDims, policy: ShardPolicy) -> int:
     return ceil_div(ceil_div(params, dims.tp), k)
 
 
-def model_state_bytes(params: int, dims: ParallelDims,
-                      config: ZeroConfig) -> tuple[int, int, int]:
+def model_state_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
+                      trainable: int | None = None) -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU, every placement together (the engine's
     ledger categories): ``config``'s stage shards the first k of (optimizer, grads,
     weights) over the layout's K ranks, after TP divides all by tp; the optimizer's
-    bytes are :func:`optimizer_bytes` (a host master offloaded)."""
+    bytes are :func:`optimizer_bytes` (a host master offloaded). ``trainable``: of the
+    ``params``, those that train (LoRA's adapters), which alone have gradients and
+    optimizer state; frozen ones are weights only, at the weights' dtype."""
     check_layout(dims, config)
     policy, recipe = config.policy, config.recipe
+    trained = params if trainable is None else trainable
 
-    def part(bytes_per_param: int, sharded: bool) -> int:
-        total = ceil_div(bytes_per_param * params, dims.tp)
+    def part(bytes_per_param: int, count: int, sharded: bool) -> int:
+        total = ceil_div(bytes_per_param * count, dims.tp)
         return ceil_div(total, dims.shard_size) if sharded else total
 
-    return (part(recipe.weight_bytes, policy.shards_params),
-            part(recipe.grad_bytes, policy.shards_grads),
-            part(optimizer_bytes(config), policy.shards_optimizer))
+    return (part(recipe.weight_bytes, params, policy.shards_params),
+            part(recipe.grad_bytes, trained, policy.shards_grads),
+            part(optimizer_bytes(config), trained, policy.shards_optimizer))

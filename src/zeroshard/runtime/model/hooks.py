@@ -35,11 +35,13 @@ class PassHooks:
     def __init__(self, model) -> None:
         self.model = model
         self.hold = False  # inside gathered(): stage-3 units stay gathered
+        self.handles = []  # the module hooks (a copy of the module drops them: adapters.py)
         # the root's hooks run first and last: every forward of the module, through the
         # model or through a method of the module itself (generate), is prepared alike
-        model.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True,
-                                               prepend=True)
-        model.module.register_forward_hook(self._root_post_forward, with_kwargs=True)
+        self.handles.append(model.module.register_forward_pre_hook(
+            self._root_pre_forward, with_kwargs=True, prepend=True))
+        self.handles.append(model.module.register_forward_hook(self._root_post_forward,
+                                                               with_kwargs=True))
         owner, handles = weakref.ref(model), []
         weakref.finalize(model, _remove_hooks, handles)
         for k, u in enumerate(model.units):
@@ -52,11 +54,13 @@ class PassHooks:
                     functools.partial(_grad_hook, owner, k)))
             if u.policy.shards_params and len(u.trainable) < len(u.params):
                 # frozen weights: released once its inputs' gradients are done too
-                u.module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward_counted, owner, k), with_kwargs=True)
+                self.handles.append(u.module.register_forward_pre_hook(
+                    functools.partial(self._pre_forward_counted, owner, k), with_kwargs=True))
             else:
-                u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+                self.handles.append(u.module.register_forward_pre_hook(
+                    lambda m, a, u=u: self._pre_forward(u)))
+            self.handles.append(u.module.register_forward_hook(
+                lambda m, a, out, u=u: self._post_forward(u, out)))
 
     @contextlib.contextmanager
     def holding(self):
