@@ -129,8 +129,12 @@ def _on_a_copy(method: str, owner, module, *args, **kwargs):
     prefix = _prefix(model, module)
     full = {k[len(prefix):]: v for k, v in model.full_state_dict().items()
             if k.startswith(prefix)}
-    ours = _engine_hook_ids(model)
-    clone = copy.deepcopy(module)
+    handles = [*model.hooks.handles, *model.guard.handles]
+    ours = {h.id for h in handles}
+    # the engine's hooks hold the engine (its process groups cannot be copied): the copy
+    # takes them as they are, and drops them next
+    hooks = [d.get(h.id) for h in handles if (d := h.hooks_dict_ref()) is not None]
+    clone = copy.deepcopy(module, {id(f): f for f in hooks if f is not None})
     for m in clone.modules():
         for attr in _HOOK_DICTS:
             hooks = getattr(m, attr, None)
@@ -147,11 +151,6 @@ def _ours(fn) -> bool:
     from .guard import _save_pretrained as guarded
 
     return fn is guarded or (isinstance(fn, functools.partial) and fn.func in _CALLS)
-
-
-def _engine_hook_ids(model) -> set[int]:
-    """Ids of the module hooks the engine registered (ids are unique across modules)."""
-    return {h.id for h in [*model.hooks.handles, *model.guard.handles]}
 
 
 def _set_adapter(owner, module, adapter_name, *args, **kwargs):

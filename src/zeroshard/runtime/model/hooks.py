@@ -53,7 +53,11 @@ class PassHooks:
                 handles.append(u.params[i].register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, owner, k)))
             if u.policy.shards_params and len(u.trainable) < len(u.params):
-                # frozen weights: released once its inputs' gradients are done too
+                # frozen weights: released once its inputs' gradients are done too, or
+                # when backward ends if its module calls other units (unit/progress.py)
+                inside = set(u.module.modules())
+                if any(v.module is not u.module and v.module in inside for v in model.units):
+                    u.progress.hold_to_the_end()
                 self.handles.append(u.module.register_forward_pre_hook(
                     functools.partial(self._pre_forward_counted, owner, k), with_kwargs=True))
             else:

@@ -14,6 +14,10 @@ inputs, FSDP2's ``RegisterPostBackwardFunction`` in
 ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``); its weights are released when
 both are complete. A call whose inputs need no gradient (the first block under frozen
 embeddings) reads no weight in backward but for its trainable parameters' gradients.
+A unit whose module calls other units (the root: final norm, head and embeddings around
+the blocks) is read on the way to their gradients, not its inputs': with frozen
+parameters it is held until backward ends (peft's ``modules_to_save`` head trains there
+beside a frozen norm).
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ class BackwardProgress:
         self.inputs_done = 0
         """Of those calls, the ones whose input gradients this backward has computed."""
         self._counted = False  # a backward began since ``calls`` was counted
+        self.to_the_end = False
+        """Released only when backward ends (a unit with frozen parameters whose module
+        calls other units)."""
+
+    def hold_to_the_end(self) -> None:
+        self.to_the_end = True
 
     def forward_call(self) -> None:
         """A forward call whose inputs need a gradient (counted afresh after a
@@ -54,4 +64,4 @@ class BackwardProgress:
     @property
     def finished(self) -> bool:
         """Nothing of this backward reads the unit's full weights any more."""
-        return self.grads <= 0 and self.inputs_done >= self.calls
+        return not self.to_the_end and self.grads <= 0 and self.inputs_done >= self.calls
