@@ -143,8 +143,19 @@ def _on_a_copy(method: str, owner, module, *args, **kwargs):
         for name, value in list(vars(m).items()):  # this file's and the guard's methods
             if isinstance(value, types.MethodType) and _ours(value.__func__):
                 delattr(m, name)
+        # compiled calls and forwards (hooks.py's borders, ShardedModel.compile, a compile
+        # of the user's) are closures over the original module: the copy runs its own
+        if _dynamo_wrapped(m._compiled_call_impl):
+            m._compiled_call_impl = None
+        if _dynamo_wrapped(vars(m).get("forward")):
+            del m.forward
     clone.load_state_dict(full, assign=True)  # every parameter whole, plain, as trained
     return getattr(clone, method)(*args, **kwargs)
+
+
+def _dynamo_wrapped(fn) -> bool:
+    """Whether ``fn`` is torch.compile's or dynamo's disable's wrapper of a callable."""
+    return fn is not None and hasattr(fn, "_torchdynamo_orig_callable")
 
 
 def _ours(fn) -> bool:

@@ -39,9 +39,9 @@ class PassHooks:
         # the root's hooks run first and last: every forward of the module, through the
         # model or through a method of the module itself (generate), is prepared alike
         self.handles.append(model.module.register_forward_pre_hook(
-            self._root_pre_forward, with_kwargs=True, prepend=True))
-        self.handles.append(model.module.register_forward_hook(self._root_post_forward,
-                                                               with_kwargs=True))
+            _eager(self._root_pre_forward), with_kwargs=True, prepend=True))
+        self.handles.append(model.module.register_forward_hook(
+            _eager(self._root_post_forward), with_kwargs=True))
         owner, handles = weakref.ref(model), []
         weakref.finalize(model, _remove_hooks, handles)
         for k, u in enumerate(model.units):
@@ -58,13 +58,15 @@ class PassHooks:
                 inside = set(u.module.modules())
                 if any(v.module is not u.module and v.module in inside for v in model.units):
                     u.progress.hold_to_the_end()
-                self.handles.append(u.module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward_counted, owner, k), with_kwargs=True))
+                self.handles.append(u.module.register_forward_pre_hook(_eager(
+                    functools.partial(self._pre_forward_counted, owner, k)), with_kwargs=True))
             else:
                 self.handles.append(u.module.register_forward_pre_hook(
-                    lambda m, a, u=u: self._pre_forward(u)))
+                    _eager(lambda m, a, u=u: self._pre_forward(u))))
             self.handles.append(u.module.register_forward_hook(
-                lambda m, a, out, u=u: self._post_forward(u, out)))
+                _eager(lambda m, a, out, u=u: self._post_forward(u, out))))
+            if u.module._compiled_call_impl is None:
+                u.module._compiled_call_impl = _border(u.module)
 
     @contextlib.contextmanager
     def holding(self):
@@ -188,6 +190,27 @@ def _inputs_hook(owner: weakref.ref, k: int) -> None:
     model = owner()
     if model is not None:
         model.units[k].inputs_done()
+
+
+def _eager(hook):
+    """``hook``, run outside any compiled graph: under ``torch.compile`` the hooks'
+    collectives, storage resizes and bookkeeping stay eager, and a unit's call is a graph
+    border (FSDP2's ``_dynamo_disable`` of its hooks, ``fsdp/_fully_shard/_fsdp_common.py``;
+    the unit's forward is then compiled as a frame of its own)."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(hook, recursive=True,
+                                 reason="zeroshard's hooks gather, release and reduce")
+
+
+def _border(module):
+    """``module``'s call as one graph border: a compiled caller does not trace into it
+    (one break, not one per hook), while the module's own forward, called from it, is
+    compiled as a frame of its own (``recursive=False``)."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(module._call_impl, recursive=False,
+                                 reason="a zeroshard unit: its hooks run eagerly")
 
 
 def _remove_hooks(handles: list) -> None:

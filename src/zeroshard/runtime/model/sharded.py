@@ -164,6 +164,17 @@ class ShardedModel(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self.reducer.sync = bool(value)
 
+    def compile(self, *args, **kwargs) -> None:
+        """``torch.compile`` each unit's computation, in place, as torchtitan compiles each
+        block before sharding it: the ``forward`` of every unit's module but the root's
+        is compiled with these arguments, and the engine's hooks around it stay eager.
+        ``torch.compile(model)`` compiles the model whole instead; each unit's call is
+        then a graph border (``hooks.py``)."""
+        for u in self.units:
+            m = u.module
+            if m is not self.module and "forward" not in vars(m):
+                m.forward = torch.compile(m.forward, *args, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards (padding never counts); return
