@@ -42,7 +42,8 @@ def blocks_of(model) -> torch.nn.ModuleList:
 def train(kind: str, stage, how: str, backend: str = "inductor", steps: int = 3) -> dict:
     """Weights after ``steps`` AdamW steps of ``kind`` at ``stage`` ("ddp": torch DDP,
     eager), compiled as ``how`` says: "model" (torch.compile of the sharded model),
-    "blocks" (each block compiled before zs.shard), or "eager"."""
+    "blocks" (each block compiled before zs.shard), "units" (``model.compile()``: each
+    unit's forward, after), or "eager"."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -60,6 +61,8 @@ def train(kind: str, stage, how: str, backend: str = "inductor", steps: int = 3)
     else:
         net = zs.shard(model, stage=stage)
         opt = cases.make_optimizer("adamw", net.named_parameters(), 1e-3)
+    if how == "units":
+        net.compile(backend=compiler)
     step_fn = torch.compile(net, backend=compiler) if how == "model" else net
     graphs = []
     for step in range(steps):
@@ -86,7 +89,7 @@ def compile_grid() -> dict:
     out = {}
     for kind in ("hf_gpt2", "hf_llama"):
         ref = train(kind, "ddp", "eager")["weights"]
-        for stage, how in ((0, "model"), (3, "model"), (3, "blocks")):
+        for stage, how in ((0, "model"), (3, "model"), (3, "blocks"), (3, "units")):
             r = train(kind, stage, how)
             diff = cases.max_rel_diff(r.pop("weights"), ref)
             out[(kind, stage, how)] = {**r, "diff": diff}

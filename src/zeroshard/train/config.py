@@ -11,6 +11,7 @@ from ..models.gpt import PRESETS
 from ..runtime.step.scaler import GradScaler
 from ..spec.config import ZeroConfig, is_deepspeed
 from ..spec.deepspeed import SCALER_KEYS
+from .adapters import check_adapters
 
 
 def processes(n: int) -> str:
@@ -123,9 +124,23 @@ class TrainConfig:
     engine creates has it too) before it fails, naming the collective. 300 s: far above
     any one collective of these models on one machine, so only a dead or frozen rank
     reaches it, and a run that cannot go on ends in minutes rather than torch's 30."""
+    # -- fine-tuning with adapters, and compilation (train/adapters.py) --------------------
+    lora: int | None = None
+    """Fine-tune LoRA adapters of this rank on the frozen model (peft); None: train every
+    weight."""
+    lora_alpha: float = 8.0
+    """The adapters' output is scaled by lora_alpha / lora (peft's default 8)."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapter's input (peft's default 0)."""
+    lora_targets: str | None = None
+    """Comma-separated module names to adapt; None: peft's default for the model's family
+    (q_proj,v_proj for Llama, Mistral, Qwen2; c_attn for GPT-2), qkv for the built-in GPT."""
+    compile: str | None = None
+    """torch.compile each unit's forward with this backend ("inductor"); None: eager."""
 
     def __post_init__(self) -> None:
         _check_types(self)
+        check_adapters(self)
 
         def positive(name, allow_none=False):
             value = getattr(self, name)
