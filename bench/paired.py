@@ -3,6 +3,7 @@ with a confidence interval.
 
     python bench/paired.py                          # the four targets, medium GPT, N = 2
     python bench/paired.py --pairs zeroshard-0:ddp --steps 80
+    python bench/paired.py --pairs zeroshard-3-compile:zeroshard-3   # compiled / eager
 
 ``compare.py`` runs each implementation in fresh processes, one after another, and this
 machine's speed drifts between runs by more than the gaps between the closest pairs (its
@@ -40,8 +41,9 @@ TARGETS = ["zeroshard-0:ddp", "zeroshard-1:ddp+zero", "zeroshard-2:fsdp2-noresha
            "zeroshard-3:fsdp2-reshard"]
 #: relative loss difference past which a pair did not train the same function
 LOSS_TOL = 1e-6
-PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4) for x in ("", "-unchecked",
-                                                              "-nofingerprints", "-hybrid2")}
+PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4)
+             for x in ("", "-unchecked", "-nofingerprints", "-hybrid2", "-compile",
+                       "-compile-units")}
             | {"ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard", "fsdp2-hsdp2"})
 
 

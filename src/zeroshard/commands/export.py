@@ -26,7 +26,7 @@ import resource
 
 from ..checkpoint.consolidated import export
 from ..checkpoint.hflayout import carry_over, check_export, trained_from
-from ..train import adapters
+from ..train import lora_export
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    lora = adapters.export(args.ckpt, args.out, args.dtype, parse_size(args.max_shard_size),
+    lora = lora_export.export(args.ckpt, args.out, args.dtype, parse_size(args.max_shard_size),
                            args.merge)
     if lora is not None:  # a --lora run: its adapter, or the model merged
         print(f"wrote {lora} in {args.out}")
