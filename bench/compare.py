@@ -7,7 +7,9 @@ Every implementation trains the built-in GPT benchmark preset from the same init
 weights on the same global batches (AdamW, fp32; ``--optimizer muon`` or ``adafactor``
 instead), each in fresh processes:
 zeroshard stages 0-3; torch DDP; DDP + ZeroRedundancyOptimizer; FSDP2 ``fully_shard``
-per block with ``reshard_after_forward`` True and False; DeepSpeed stages 1-3 when it
+per block with ``reshard_after_forward`` True and False; zeroshard compiled by
+torch.compile's inductor (``zeroshard-S-compile``: the sharded model whole;
+``zeroshard-S-compile-units``: each unit's forward); DeepSpeed stages 1-3 when it
 is installed (``pip install deepspeed``; on CPU it runs with DS_ACCELERATOR=cpu over
 gloo); and a "limit": one process, its local micro-batch, no communication at all.
 
@@ -144,6 +146,10 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
             options["secondary_group"] = 2
         net = zs.shard(model, stage=int(impl.split("-")[1]), **options)
         opt = make_optimizer(optimizer, net.named_parameters(), lr)
+        if impl.endswith("-compile-units"):  # each unit's forward (torchtitan's way)
+            net.compile()
+        elif impl.endswith("-compile"):  # the sharded model whole, units as graph borders
+            net = torch.compile(net)
     elif impl in ("ddp", "ddp+zero"):
         from torch.nn.parallel import DistributedDataParallel
 

@@ -3,6 +3,7 @@ with a confidence interval.
 
     python bench/paired.py                          # the four targets, medium GPT, N = 2
     python bench/paired.py --pairs zeroshard-0:ddp --steps 80
+    python bench/paired.py --pairs zeroshard-3-compile:zeroshard-3   # compiled / eager
 
 ``compare.py`` runs each implementation in fresh processes, one after another, and this
 machine's speed drifts between runs by more than the gaps between the closest pairs (its
@@ -48,8 +49,13 @@ TARGETS = ["zeroshard-0:ddp", "zeroshard-1:ddp+zero", "zeroshard-2:fsdp2-noresha
            "zeroshard-3:fsdp2-reshard"]
 #: relative loss difference past which a pair did not train the same function
 LOSS_TOL = 1e-6
-PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4) for x in ("", "-unchecked",
-                                                              "-nofingerprints", "-hybrid2")}
+#: the same, for a pair with a compiled member: inductor's fused kernels (its GELU, layer
+#: norm and softmax) round differently, and AdamW carries that on (GPT small, 30 steps:
+#: 1.1e-5 apart)
+LOSS_TOL_COMPILED = 1e-4
+PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4)
+             for x in ("", "-unchecked", "-nofingerprints", "-hybrid2", "-compile",
+                       "-compile-units")}
             | {"ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard", "fsdp2-hsdp2"})
 
 
@@ -186,7 +192,8 @@ def main() -> None:
         ta, tb = r["times"]
         mid, lo, hi = paired_ratio(ta, tb)
         la, lb = r["loss"]
-        same = abs(la - lb) <= LOSS_TOL * max(1.0, abs(lb))
+        tol = LOSS_TOL_COMPILED if any("-compile" in m for m in pair) else LOSS_TOL
+        same = abs(la - lb) <= tol * max(1.0, abs(lb))
         if not same and same_function(pair):
             differ.append(pair)
         name = [m.removesuffix("@adamw") for m in pair]
@@ -208,7 +215,8 @@ def main() -> None:
             json.dump({"args": vars(a), "results": results}, fh, indent=1)
     if differ:
         raise SystemExit(f"the members of {', '.join(':'.join(p) for p in differ)} did not "
-                         f"train the same function (losses differ by more than {LOSS_TOL:g})")
+                         f"train the same function (losses differ by more than {LOSS_TOL:g}, "
+                         f"{LOSS_TOL_COMPILED:g} compiled)")
 
 
 if __name__ == "__main__":

@@ -389,6 +389,34 @@ class Shampoo(torch.optim.Optimizer):
         return None
 
 
+def grad_sync_flag_grid():
+    """Per stage: nanoGPT's accumulation, torch DDP's ``require_backward_grad_sync`` set
+    False on all but the last micro-step, against ``no_sync()`` on the same steps and
+    against syncing every micro-step: (weights bit-equal to no_sync's, collectives per
+    step with the flag, with no_sync, syncing every one)."""
+    out = {}
+    for stage in range(4):
+        runs = {}
+        for how in ("flag", "no_sync", "every"):
+            net = zs.shard(build("gpt"), stage=stage)
+            opt = make_optimizer("adamw", net.named_parameters(), 1e-3)
+            for step in range(3):
+                for micro in range(2):
+                    last = micro == 1
+                    if how == "flag":
+                        net.require_backward_grad_sync = last
+                    x, y = batch("gpt", step, micro, 2)
+                    with net.no_sync() if how == "no_sync" and not last else _null():
+                        (net(x, y) / 2).backward()
+                opt.step()
+                opt.zero_grad()
+            calls = sum(v["calls"] for k, v in net.comm_stats().items() if k != "check") / 3
+            runs[how] = (net.full_state_dict(), calls)
+        out[stage] = {"bit_equal": bit_equal(runs["flag"][0], runs["no_sync"][0]),
+                      "calls": tuple(runs[h][1] for h in ("flag", "no_sync", "every"))}
+    return out
+
+
 def refusal_grid():
     """Per (stage, optimizer): the error of an optimizer that cannot step shards, or None."""
     out = {}

@@ -1,6 +1,7 @@
 """Gradient accumulation on real gloo processes at N = 2: two micro-batches a step against
 DDP (which reduces at the last micro-batch under no_sync, or at every one), and
-``no_sync`` on the first micro-batch giving the same weights as reducing both."""
+``no_sync`` on the first micro-batch giving the same weights as reducing both; DDP's
+``require_backward_grad_sync`` flag (nanoGPT's idiom) honoured as ``no_sync``."""
 
 import pytest
 
@@ -15,7 +16,7 @@ TOL = cases.TOL
 
 def _grid():
     return {"parity": cases.parity_grid(["mlp", "gpt"], ["accum"]),
-            "no_sync": cases.no_sync_grid()}
+            "no_sync": cases.no_sync_grid(), "flag": cases.grad_sync_flag_grid()}
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +42,10 @@ def test_fp32_parity_with_accumulation_n2(grid, model):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_no_sync_accumulates_the_same_gradient(grid, stage):
     assert grid["no_sync"][stage] < TOL
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ddp_require_backward_grad_sync_is_no_sync(grid, stage):
+    r = grid["flag"][stage]
+    flag, no_sync, every = r["calls"]
+    assert r["bit_equal"] and flag == no_sync < every, r

@@ -40,7 +40,9 @@ def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
         raise
 
 
-def _export(ckpt_path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
+def reader(ckpt_path, dtype: str):
+    """(the manifest of a verified checkpoint, ``assemble(name, shape)``: a parameter's
+    full value from every rank's rows in ``dtype``, ``buffer(name)``: a buffer's)."""
     ckpt = resolve(ckpt_path)
     manifest = read_manifest(ckpt)
     problem = verify(ckpt, manifest, set(manifest["files"]))
@@ -60,15 +62,30 @@ def _export(ckpt_path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
                  _pieces(manifest, name, 0, rows)]
         return torch.cat(parts).reshape(shape).to(out_dtype)
 
+    def buffer(name):
+        return opened(f"rank{0:05d}.safetensors").rows(f"{name}::buffer")
+
+    return manifest, assemble, buffer
+
+
+def _export(ckpt_path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
+    manifest, assemble, buffer = reader(ckpt_path, dtype)
+    out_dtype = TORCH_DTYPES[dtype]
     items = [(n, tuple(p["shape"])) for n, p in manifest["params"].items()]
-    f0 = f"rank{0:05d}.safetensors"
     skip = set(manifest.get("nonpersistent", ()))  # as torch's state_dict() leaves them
     buffers = [(n, tuple(s)) for n, s in manifest["buffers"].items() if n not in skip]
     entries_ = [(n, s, out_dtype, lambda n=n, s=s: assemble(n, s)) for n, s in items]
     for n, s in buffers:
-        src_dtype = opened(f0).dtype(f"{n}::buffer")
+        src_dtype = buffer(n).dtype
         bdtype = out_dtype if src_dtype.is_floating_point else src_dtype
-        entries_.append((n, s, bdtype, lambda n=n: opened(f0).rows(f"{n}::buffer")))
+        entries_.append((n, s, bdtype, lambda n=n: buffer(n)))
+    return write_entries(out_dir, entries_, max_shard_bytes)
+
+
+def write_entries(out_dir: Path, entries_: list, max_shard_bytes: int) -> dict:
+    """``(name, shape, dtype, produce)`` entries into safetensors files of at most
+    ``max_shard_bytes`` (with an index when more than one), written whole. Returns
+    {file: [names]}."""
     files, current, size = [], [], 0
     for e in entries_:
         nbytes = e[2].itemsize * int(torch.Size(e[1]).numel())

@@ -55,10 +55,12 @@ def _renames(module) -> tuple[list, bool]:
 def _source_names(model, wmap: dict[str, Path]) -> tuple[dict[str, str], bool]:
     """The model's tensor name -> the name in the files (as transformers renames keys on
     load, or without the base model's prefix); and whether transformers would convert
-    some tensors besides."""
-    module = model.module
+    some tensors besides. A peft model (``zeroshard train --lora``) is read as its base
+    model: each name without peft's additions, its adapters not in the files."""
+    module, names = _base_model(model.module)
     prefix = getattr(module, "base_model_prefix", "") or ""
-    wanted = {n for n, _ in [*module.named_parameters(), *module.named_buffers()]}
+    wanted = {names(n): n for n, _ in [*model.module.named_parameters(),
+                                       *model.module.named_buffers()] if names(n)}
     renames, converts = _renames(module)
     out: dict[str, str] = {}
     for key in wmap:
@@ -68,8 +70,28 @@ def _source_names(model, wmap: dict[str, Path]) -> tuple[dict[str, str], bool]:
         if name not in wanted and prefix and f"{prefix}.{name}" in wanted:
             name = f"{prefix}.{name}"
         if name in wanted:
-            out.setdefault(name, key)
+            out.setdefault(wanted[name], key)
     return out, converts
+
+
+#: What peft adds to a base model's names: its wrapper's prefix, and the name each
+#: adapted layer keeps its base under (``peft/tuners/lora/layer.py``: ``base_layer``).
+PEFT_PREFIX, BASE_LAYER = "base_model.model.", ".base_layer."
+
+
+def peft_base_name(name: str) -> str | None:
+    """The base model's name of a peft model's tensor (None for an adapter's)."""
+    if ".lora_" in name:
+        return None
+    return name.removeprefix(PEFT_PREFIX).replace(BASE_LAYER, ".")
+
+
+def _base_model(module):
+    """(the model the weight files are of, its name of each of ``module``'s tensors —
+    None for a peft adapter's, which the files do not hold)."""
+    if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
+        return module.get_base_model(), peft_base_name
+    return module, lambda n: n
 
 
 def weight_files(path: str | Path) -> dict[str, Path]:
@@ -117,7 +139,10 @@ def load_hf_weights(model, path: str | Path) -> None:
         wmap = weight_files(path)
         names, converts = _source_names(model, wmap)
         handles: dict[Path, TensorFile] = {}
+        base = _base_model(model.module)[1]
         for e in entries(model):
+            if base(e.name) is None:
+                continue  # an adapter: initialised at shard time (train/adapters.py)
             if e.name not in names:
                 why = ("transformers converts this model's checkpoint tensors on load, which "
                        "reading rows cannot follow; save it with this transformers version "

@@ -9,8 +9,14 @@ generation_config.json and tokenizer files. The files are written aside and move
 whole: a failed export leaves the output folder as it was, and a re-export removes what
 the one before it wrote there (other files are left alone).
 
+A run of `zeroshard train --lora R` exports its adapter in peft's layout
+(adapter_model.safetensors, adapter_config.json: peft's from_pretrained loads it onto the
+base model), or with --merge the model with the adapter merged into its weights.
+
 example:
   zeroshard export runs/ckpt/latest out/ --dtype bf16 --max-shard-size 2GB
+  zeroshard export runs/lora/latest adapter/          # the adapter, for peft
+  zeroshard export runs/lora/latest merged/ --merge   # a folder from_pretrained loads
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import resource
 
 from ..checkpoint.consolidated import export
 from ..checkpoint.hflayout import carry_over, check_export, trained_from
+from ..train import lora_export
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
@@ -54,11 +61,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of the exported weights (default fp32)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    p.add_argument("--merge", action="store_true",
+                   help="a run of zeroshard train --lora: the model with its adapter merged "
+                        "into the weights (default: the adapter alone, in peft's layout)")
 
 
 def run(args) -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     most = parse_size(args.max_shard_size)  # a flag's value before any file is read
+    lora = lora_export.export(args.ckpt, args.out, args.dtype, most, args.merge)
+    if lora is not None:  # a --lora run: its adapter, or the model merged
+        print(f"wrote {lora} in {args.out}")
+        return 0
     source = trained_from(args.ckpt)
     if source is not None:
         check_export(source, args.out)

@@ -36,7 +36,7 @@ from ..spec.formulas import QUANT_BLOCK, SUB_GROUP_SIZE
 from ..spec.optimizers import OPTIMIZERS
 from ..spec.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..spec.rules import OFFLOADS
-from . import plan_output, plan_time
+from . import plan_lora, plan_output, plan_time
 from .plan_checks import DIM_FLAGS, check_flags, sweep_counts
 
 
@@ -137,6 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--plot", metavar="FILE.png",
                    help="stacked bars per strategy with the budget line")
     plan_time.add_arguments(p)
+    plan_lora.add_arguments(p)
 
 
 def resolve_model(args) -> ModelSpec:
@@ -244,7 +245,7 @@ def run(args) -> int:
         return 0
     check_flags(args)
     sweep = sweep_counts(args.sweep)
-    model, config = resolve_model(args), plan_config(args)
+    model, config = plan_lora.apply(args, resolve_model(args)), plan_config(args)
     if model.params > MAX_PARAMS:  # a model given by its dimensions or a config.json
         raise ValueError(f"the model has {model.params:,} parameters, more than the planner "
                          f"plans: at most {MAX_PARAMS:,}")

@@ -59,7 +59,9 @@ def compute(args, model, dims, config, work, budget, sweep) -> Result:
     """The planner's answers for ``config`` on ``dims`` (each stage at what it takes)."""
     blocks = args.blocks_per_unit
     plans = plan_all(model, dims, config, work, budget, blocks)
-    peaks = [peak(model, dims, p.config, work, blocks) for p in plans]
+    # the peak's backward is modelled for full gradients; adapters (--lora) are not yet
+    peaks = [None if model.trainable is not None else peak(model, dims, p.config, work, blocks)
+             for p in plans]
     steps = plan_time.accumulation(args, work, dims.tp) if args.offload else 1
     moved = [pcie_bytes(model.params, dims, p.config, steps) for p in plans]
     times = plan_time.run_time(args, model, dims, config, work) if args.time else None
@@ -78,7 +80,8 @@ def json_out(args, model, dims, config, work, budget, shown, r: Result) -> None:
         "zeropp": zeropp_dict(config) if uses_zeropp(config) else None,
         "recipe": config.recipe.name, "tokens": work.tokens, "budget": budget,
         "first_fit": r.fit,
-        "strategies": [{**p.as_dict(), "peak": q.as_dict()}
+        "trainable": model.trainable,
+        "strategies": [{**p.as_dict(), "peak": q and q.as_dict()}
                        for p, q in zip(r.plans, r.peaks) if p.strategy in shown],
     }
     if args.offload:
@@ -136,10 +139,14 @@ def text_out(args, model, dims, config, work, budget, shown, unit, r: Result) ->
             render.line(_disk_line(args, r.plans, r.disk_io, shown, config, unit))
     if uses_zeropp(config):
         render.zeropp_line(config, r.plans, shown, unit, args.gib)
-    render.line("peak per GPU (the largest of the loss's backward, a unit's backward "
-                "and the optimizer step): " + "; ".join(
-                    f"{p.strategy} {render._fmt(q.bytes, unit)} at the {q.moment}"
-                    for p, q in zip(r.plans, r.peaks) if p.strategy in shown))
+    if model.trainable is not None:
+        render.line(f"trainable (LoRA adapters): {model.trainable:,} of {model.params:,} "
+                    "parameters; the peak is not planned with adapters")
+    else:
+        render.line("peak per GPU (the largest of the loss's backward, a unit's backward "
+                    "and the optimizer step): " + "; ".join(
+                        f"{p.strategy} {render._fmt(q.bytes, unit)} at the {q.moment}"
+                        for p, q in zip(r.plans, r.peaks) if p.strategy in shown))
     if r.fit is None:
         plain = _plain(config)
         render.line(advice.why_none_fits(model, dims, plain, budget, work))

@@ -33,6 +33,7 @@ from .._errorline import DEBUG
 from ..spec.config import ZeroConfig
 from ..train import flags, job, launchenv
 from ..train.config import TrainConfig, engine_keys, resolve
+from . import train_adapters
 
 #: How each engine field (ZeroConfig's) shows as a flag named after it (mixed_precision:
 #: --mixed-precision). A field left out still gets a flag, typed after its default.
@@ -157,6 +158,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"a failing rank's full traceback and the launcher's report, not "
                         f"just the error's one line (or {DEBUG}=1)")
     _add_engine_flags(p)
+    train_adapters.add_arguments(p)
 
 
 def _config(args) -> TrainConfig:

@@ -221,10 +221,17 @@ class ModelSpec:
     shapes: tuple[tuple[int, ...], ...] | None = None
     """Every parameter's shape, where the optimizer's bytes depend on them (Muon,
     Adafactor): an ``nn.Module``'s own; an architecture's come from ``plan/shapes.py``."""
+    trainable: int | None = None
+    """Parameters that train, of ``params`` (LoRA's adapters, ``plan/lora.py``): they
+    alone have gradients and optimizer state. None: every one."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, int) or self.params <= 0:
             raise ValueError(f"params={self.params!r} must be a positive integer")
+        if self.trainable is not None and not (isinstance(self.trainable, int)
+                                               and 0 <= self.trainable <= self.params):
+            raise ValueError(f"trainable={self.trainable!r} must be an integer in [0, "
+                             f"params={self.params}]")
         for field in ("hidden", "layers", "heads"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value <= 0):

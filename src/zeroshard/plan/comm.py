@@ -82,14 +82,15 @@ def secondary_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
 
 
 def comm_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
-               units: list[int] | None = None) -> int:
+               units: list[int] | None = None, trainable: int | None = None) -> int:
     """Bytes one GPU sends per step under ring accounting (its 1/tp of the model, over
     the data-parallel ranks): every level of :func:`comm_bytes_by_level`."""
-    return sum(comm_bytes_by_level(params, dims, config, units).values())
+    return sum(comm_bytes_by_level(params, dims, config, units, trainable).values())
 
 
 def comm_bytes_by_level(params: int, dims: ParallelDims, config: ZeroConfig,
-                        units: list[int] | None = None) -> dict[str, int]:
+                        units: list[int] | None = None,
+                        trainable: int | None = None) -> dict[str, int]:
     """Bytes one GPU sends per step at each level, as the engine's ledger splits them
     (``comm_stats(by_level=True)``):
 
@@ -108,13 +109,17 @@ def comm_bytes_by_level(params: int, dims: ParallelDims, config: ZeroConfig,
     ``(K-1)·quantized_nbytes(n)`` per gather of a unit's weights over the shard group,
     qgZ the same per reduce-scatter of its gradients. ``units``: the units' parameter
     counts, whose slots round up apart (one unit of P by default). ``secondary`` is a
-    key only with a secondary group.
+    key only with a secondary group. ``trainable``: the parameters that train, of P
+    (LoRA's adapters): the gradients reduced and the rows gathered after the step are
+    theirs alone; stage 3 gathers every weight for forward and backward.
     """
     check_layout(dims, config)
     policy, recipe = config.policy, config.recipe
     k, k2 = dims.shard_size, secondary(dims, config)
-    grads = ceil_div(recipe.reduce_bytes * params, dims.tp)
+    trained = params if trainable is None else trainable
+    grads = ceil_div(recipe.reduce_bytes * trained, dims.tp)
     weights = ceil_div(recipe.weight_bytes * params, dims.tp)
+    updated = ceil_div(recipe.weight_bytes * trained, dims.tp)
     if policy.reduce == "all_reduce":  # every rank keeps the average of every gradient
         return {"inside": ring_all_reduce(grads, k),
                 "across": ring_all_reduce(grads, dims.replicas)}
@@ -124,7 +129,7 @@ def comm_bytes_by_level(params: int, dims: ParallelDims, config: ZeroConfig,
     levels = {"inside": quantized if config.quantize_grads else ring_one_way(grads, k),
               "across": ring_all_reduce(ceil_div(grads, k), dims.replicas)}
     if policy.gathers_after_step:  # the updated rows, once after the step
-        levels["inside"] += gather
+        levels["inside"] += quantized if config.quantize_weights else ring_one_way(updated, k)
     if policy.shards_params:  # gathered for forward, and again for backward
         levels["inside"] += gather
         if k2 is None:

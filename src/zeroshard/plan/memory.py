@@ -179,9 +179,9 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
     check_layout(dims, config)
     work = work or Workload()
     shapes = model_shapes(model) if config.recipe.shaped_state else None
-    placed = placed_bytes(model.params, dims, config, shapes)
+    placed = placed_bytes(model.params, dims, config, shapes, model.trainable)
     units = unit_sizes(model, blocks_per_unit) if uses_zeropp(config) else None
-    levels = comm_bytes_by_level(model.params, dims, config, units)
+    levels = comm_bytes_by_level(model.params, dims, config, units, model.trainable)
     # the optimizer's own exchanges (Muon's owner computes, Adafactor's sums): inside
     levels["inside"] += optimizer_comm(model_shapes(model), dims, config)
     kept = sum(secondary_bytes(model.params, dims, config, units))

@@ -53,18 +53,23 @@ def owned(params: int, dims: ParallelDims, policy: ShardPolicy) -> int:
 
 
 def model_state_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
-                      shapes: list[tuple[int, ...]] | None = None) -> tuple[int, int, int]:
+                      shapes: list[tuple[int, ...]] | None = None,
+                      trainable: int | None = None) -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU, every placement together (the engine's
     ledger categories): ``config``'s stage shards the first k of (optimizer, grads,
     weights) over the layout's K ranks, after TP divides all by tp; the optimizer's
     bytes are :func:`optimizer_bytes` (a host master offloaded), or, for an optimizer
     whose state depends on the shapes (``Recipe.shaped_state``: Muon, Adafactor), the
-    master's plus the state ``plan/optimizer.state_bytes`` counts from ``shapes``."""
+    master's plus the state ``plan/optimizer.state_bytes`` counts from ``shapes``.
+    ``trainable``: of the ``params``, those that train (LoRA's adapters), which alone
+    have gradients and optimizer state; frozen ones are weights only, at the weights'
+    dtype."""
     check_layout(dims, config)
     policy, recipe = config.policy, config.recipe
+    trained = params if trainable is None else trainable
 
-    def part(bytes_per_param: int, sharded: bool) -> int:
-        total = ceil_div(bytes_per_param * params, dims.tp)
+    def part(bytes_per_param: int, count: int, sharded: bool) -> int:
+        total = ceil_div(bytes_per_param * count, dims.tp)
         return ceil_div(total, dims.shard_size) if sharded else total
 
     if recipe.shaped_state:
@@ -72,9 +77,14 @@ def model_state_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
             raise ValueError(f"optimizer {recipe.optimizer!r} keeps state that depends on "
                              "each parameter's shape: plan a preset (--model), a "
                              "config.json (--hf-config) or a module, not a bare count")
+        if trainable is not None:
+            raise ValueError(f"optimizer {recipe.optimizer!r} with LoRA adapters: the "
+                             "planner knows the base model's shapes, not the adapters'; "
+                             "plan --lora with --optimizer adamw")
         m = master_bytes(recipe, policy.offloads_optimizer)
-        optimizer = part(m, policy.shards_optimizer) + state_bytes(shapes, dims, config)
+        optimizer = part(m, params, policy.shards_optimizer) + state_bytes(shapes, dims,
+                                                                           config)
     else:
-        optimizer = part(optimizer_bytes(config), policy.shards_optimizer)
-    return (part(recipe.weight_bytes, policy.shards_params),
-            part(recipe.grad_bytes, policy.shards_grads), optimizer)
+        optimizer = part(optimizer_bytes(config), trained, policy.shards_optimizer)
+    return (part(recipe.weight_bytes, params, policy.shards_params),
+            part(recipe.grad_bytes, trained, policy.shards_grads), optimizer)

@@ -29,7 +29,10 @@ from datetime import timedelta
 #: Seconds to wait for other ranks' tracebacks once one rank has failed.
 _GRACE = 3.0
 #: What the fork server imports once, for every rank forked from it.
-_PRELOAD = ["torch", "torch.distributed", "zeroshard.runtime.spawn", "zeroshard.runtime.dist"]
+#: (torch._dynamo: every sharded model's hooks are marked for it, ``model/hooks.py``; it
+#: starts no thread, and costs each rank half a second of a core when imported there.)
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard.runtime.spawn",
+            "zeroshard.runtime.dist"]
 
 
 class RankFailure(RuntimeError):

@@ -10,6 +10,7 @@ from .._jsonfile import read_json_object
 from ..runtime.step.scaler import GradScaler
 from ..spec.config import ZeroConfig, is_deepspeed
 from ..spec.deepspeed import SCALER_KEYS
+from .adapters import check_adapters
 from .checks import check_values
 
 
@@ -120,9 +121,23 @@ class TrainConfig:
     engine creates has it too) before it fails, naming the collective. 300 s: far above
     any one collective of these models on one machine, so only a dead or frozen rank
     reaches it, and a run that cannot go on ends in minutes rather than torch's 30."""
+    # -- fine-tuning with adapters, and compilation (train/adapters.py) --------------------
+    lora: int | None = None
+    """Fine-tune LoRA adapters of this rank on the frozen model (peft); None: train every
+    weight."""
+    lora_alpha: float = 8.0
+    """The adapters' output is scaled by lora_alpha / lora (peft's default 8)."""
+    lora_dropout: float = 0.0
+    """Dropout on each adapter's input (peft's default 0)."""
+    lora_targets: str | None = None
+    """Comma-separated module names to adapt; None: peft's default for the model's family
+    (q_proj,v_proj for Llama, Mistral, Qwen2; c_attn for GPT-2), qkv for the built-in GPT."""
+    compile: str | None = None
+    """torch.compile each unit's forward with this backend ("inductor"); None: eager."""
 
     def __post_init__(self) -> None:
         check_values(self)
+        check_adapters(self)
         zero = self.zero if isinstance(self.zero, ZeroConfig) else ZeroConfig.load(self.zero)
         units = zero.units
         if units == "model":

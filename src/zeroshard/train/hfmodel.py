@@ -11,6 +11,7 @@ import torch
 
 from .. import shard
 from ..plan.arch import Architecture
+from .adapters import adapter_init, with_adapters
 from .config import TrainConfig
 
 
@@ -61,7 +62,10 @@ class BuiltinGPT:
         from ..models.gpt import GPT
 
         torch.manual_seed(self.cfg.seed)
-        return shard(GPT(self.gpt_cfg), config=self.cfg.zero)
+        model = GPT(self.gpt_cfg)
+        if self.cfg.lora:
+            model = with_adapters(model, self.cfg, builtin=True)
+        return shard(model, config=self.cfg.zero)
 
     def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return model(x, y)
@@ -121,8 +125,11 @@ class HFCausalLM:
         from ..checkpoint.hflayout import load_hf_weights
         from ..models.hf import build_meta
 
-        model = shard(build_meta(self.cfg.hf_model), config=self.cfg.zero, param_init=_zeros,
-                      seed=self.cfg.seed)
+        module, init = build_meta(self.cfg.hf_model), _zeros
+        if self.cfg.lora:  # peft's adapters, initialised as peft does (train/adapters.py)
+            module = with_adapters(module, self.cfg, builtin=False)
+            init = adapter_init(module, _zeros)
+        model = shard(module, config=self.cfg.zero, param_init=init, seed=self.cfg.seed)
         if load_weights:
             load_hf_weights(model, self.cfg.hf_model)
         return model

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .._paths import folder
 from ..runtime.dist import default_device, init_distributed
 from ..runtime.step.scaler import GradScaler
+from .adapters import compile_units, trainable_count
 from .board import Board
 from .config import TrainConfig
 from .datasource import open_source
@@ -93,6 +94,7 @@ def set_up(cfg: TrainConfig) -> Run:
     # would differ between two runs of one command (a resume restores the saved state)
     torch.manual_seed(cfg.seed)
     model = source.build(load_weights=not (checkpoint or cfg.init_from))
+    compile_units(model, cfg)  # --compile: each unit's forward (train/adapters.py)
     if model.profiler is not None:
         model.profiler.enabled = False
     optimizer = _adamw(model, cfg)
@@ -105,6 +107,7 @@ def set_up(cfg: TrainConfig) -> Run:
     unit_params = [sum(p.numel() for p in u.params) for u in model.units]
     out = Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
                    label=source.label, origin=source.source)
+    out.trainable = trainable_count(model)  # --lora: the adapters alone train
     log = (open(cfg.json_log, "a" if checkpoint or restarted() else "w", encoding="utf-8")
            if cfg.json_log and rank == 0 else None)
     out.header()

@@ -28,16 +28,17 @@ def layout(model) -> ParallelDims:
 
 
 def planned_comm(params: int, dims: ParallelDims, config: ZeroConfig, accum: int,
-                 units: list[int] | None = None) -> int:
+                 units: list[int] | None = None, trainable: int | None = None) -> int:
     """Bytes a rank sends per step as planned, with ``accum`` micro-batches per step:
     every backward reduces its gradients (the loop never skips communication with
     ``no_sync``; under hybrid sharding the all-reduce across groups follows each), and
     where the weights are sharded every forward and backward gathers them; stages 1-2
     gather once, after the step. One micro-batch: the planner's figure (hpZ and the
-    quantized collectives planned per unit of ``units`` elements)."""
-    once = comm_bytes(params, dims, config, units)
+    quantized collectives planned per unit of ``units`` elements). ``trainable``: of the
+    parameters, those that train (LoRA's adapters: their gradients alone travel)."""
+    once = comm_bytes(params, dims, config, units, trainable)
     if config.policy.gathers_after_step:
-        weights = config.recipe.weight_bytes * params
+        weights = config.recipe.weight_bytes * (params if trainable is None else trainable)
         return accum * once - (accum - 1) * ring_one_way(weights, dims.shard_size)
     return accum * once
 
@@ -55,6 +56,13 @@ class Reporter:
         self.console = console if console.width >= 100 else Console(highlight=False, width=100)
         self.progress = None
         self.steps_done = 0
+        self.trainable: int | None = None  # LoRA: the elements that train (set up: loop.py)
+
+    def _trained(self) -> str:
+        """The adapters, when only they train (``--lora``)."""
+        if self.trainable is None:
+            return ""
+        return f", {self.trainable:,} of them LoRA r={self.cfg.lora} adapters that train"
 
     def header(self) -> None:
         """The run's settings, before anything is loaded."""
@@ -63,7 +71,8 @@ class Reporter:
         c, z = self.cfg, self.cfg.zero
         units = "model" if z.units is None else z.units
         self.console.print(
-            f"zeroshard train: {self.label} ({self.params:,} params){self.origin}, "
+            f"zeroshard train: {self.label} ({self.params:,} params{self._trained()})"
+            f"{self.origin}, "
             f"{processes(self.world)}, "
             f"ZeRO stage {z.stage}, {z.mixed_precision or 'fp32'}, units={units}; global "
             f"batch {c.batch} = "
@@ -125,7 +134,8 @@ class Reporter:
         if not self.enabled:
             return
         recipe = config.recipe
-        weights, grads, optimizer = model_state_bytes(self.params, dims, config)
+        weights, grads, optimizer = model_state_bytes(self.params, dims, config,
+                                                      trainable=self.trainable)
         hybrid = f", shard groups of {dims.shard_size}" if dims.replicas > 1 else ""
         offload = f", offload {config.offload}" if config.offload else ""
         t = Table(title=f"memory per rank (MB): measured by the ledger / planned "
@@ -139,7 +149,7 @@ class Reporter:
                       *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
         self.console.print(t)
         steps = max(1, self.steps_done)
-        planned = planned_comm(self.params, dims, config, self.accum, units)
+        planned = planned_comm(self.params, dims, config, self.accum, units, self.trainable)
         t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
                   title_justify="left")
         for col in ("collective", "calls/step", "MB/step"):

@@ -102,7 +102,8 @@ def build_units(module: nn.Module, inner: list[nn.Module], config, policy: Shard
                 owner[id(p)] = u
     if policy.shards_params:  # a unit is gathered by its forward hooks: it must be called
         for m in inner:
-            if type(m).forward is nn.Module.forward:
+            if type(m).forward is nn.Module.forward and "forward" not in vars(m):
+                # (a compiled module, torch.compile's OptimizedModule, has its own)
                 raise ValueError(
                     f"units: {type(m).__name__} {_name(module, m)!r} is never called (it has "
                     "no forward), so at stage 3 its parameters could not be gathered before "

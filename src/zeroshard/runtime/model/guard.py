@@ -47,6 +47,7 @@ class ModuleGuard:
             handles.append(m.register_load_state_dict_post_hook(self._after_load))
             if released and callable(getattr(m, "save_pretrained", None)):
                 m.save_pretrained = types.MethodType(_save_pretrained, m)
+        self.handles = handles  # a copy of the module drops them (adapters.py)
         weakref.finalize(model, _remove, handles)
 
     def _before_load(self, module, state_dict, prefix, *args) -> None:

@@ -13,7 +13,7 @@ import functools
 import weakref
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..build.construct import broadcast_buffers
 from ..step.cycle import CycleState
@@ -35,11 +35,13 @@ class PassHooks:
     def __init__(self, model) -> None:
         self.model = model
         self.hold = False  # inside gathered(): stage-3 units stay gathered
+        self.handles = []  # the module hooks (a copy of the module drops them: adapters.py)
         # the root's hooks run first and last: every forward of the module, through the
         # model or through a method of the module itself (generate), is prepared alike
-        model.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True,
-                                               prepend=True)
-        model.module.register_forward_hook(self._root_post_forward, with_kwargs=True)
+        self.handles.append(model.module.register_forward_pre_hook(
+            _eager(self._root_pre_forward), with_kwargs=True, prepend=True))
+        self.handles.append(model.module.register_forward_hook(
+            _eager(self._root_post_forward), with_kwargs=True))
         owner, handles = weakref.ref(model), []
         weakref.finalize(model, _remove_hooks, handles)
         for k, u in enumerate(model.units):
@@ -50,8 +52,21 @@ class PassHooks:
             for i in u.trainable:
                 handles.append(u.params[i].register_post_accumulate_grad_hook(
                     functools.partial(_grad_hook, owner, k)))
-            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+            if u.policy.shards_params and len(u.trainable) < len(u.params):
+                # frozen weights: released once its inputs' gradients are done too, or
+                # when backward ends if its module calls other units (unit/progress.py)
+                inside = set(u.module.modules())
+                if any(v.module is not u.module and v.module in inside for v in model.units):
+                    u.progress.hold_to_the_end()
+                self.handles.append(u.module.register_forward_pre_hook(_eager(
+                    functools.partial(self._pre_forward_counted, owner, k)), with_kwargs=True))
+            else:
+                self.handles.append(u.module.register_forward_pre_hook(
+                    _eager(lambda m, a, u=u: self._pre_forward(u))))
+            self.handles.append(u.module.register_forward_hook(
+                _eager(lambda m, a, out, u=u: self._post_forward(u, out))))
+            if u.module._compiled_call_impl is None:
+                u.module._compiled_call_impl = _border(u.module)
 
     @contextlib.contextmanager
     def holding(self):
@@ -100,6 +115,25 @@ class PassHooks:
         else:
             self.model.prefetcher.use(unit, "forward")
 
+    def _pre_forward_counted(self, owner, k: int, module, args, kwargs):
+        """A unit with frozen parameters: gathered as any, and its inputs that need a
+        gradient pass through :class:`_InputGrads`, which tells the unit when their
+        gradients are computed ([Note: partly frozen units] in ``unit/progress.py``)."""
+        unit = self.model.units[k]
+        self._pre_forward(unit)
+        if not torch.is_grad_enabled() or _recomputing():
+            return None  # a recompute's graph is not the one backward runs
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not where:
+            return None
+        unit.progress.forward_call()
+        passed = _InputGrads.apply(functools.partial(_inputs_hook, owner, k),
+                                   *[flat[i] for i in where])
+        for i, t in zip(where, passed):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
     def _post_forward(self, unit: Unit, out) -> None:
         unit.events.emit("forward_end", unit)
         if not unit.policy.shards_params or self.hold or _recomputing():
@@ -135,6 +169,49 @@ class PassHooks:
         m.cycle.advance("backward_end" if m.reducer.sync else "backward_end_unreduced")
         if m.reducer.sync:  # shards hold their reduced .grad once backward ends (FSDP2)
             m.stepper.finalize_grads()
+
+
+class _InputGrads(torch.autograd.Function):
+    """The identity on a unit's inputs, whose backward runs once their gradients are
+    computed: after every node of the call that reads the unit's weights for them
+    (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, hook, *inputs):
+        ctx.hook = hook
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hook()
+        return (None, *grads)
+
+
+def _inputs_hook(owner: weakref.ref, k: int) -> None:
+    model = owner()
+    if model is not None:
+        model.units[k].inputs_done()
+
+
+def _eager(hook):
+    """``hook``, run outside any compiled graph: under ``torch.compile`` the hooks'
+    collectives, storage resizes and bookkeeping stay eager, and a unit's call is a graph
+    border (FSDP2's ``_dynamo_disable`` of its hooks, ``fsdp/_fully_shard/_fsdp_common.py``;
+    the unit's forward is then compiled as a frame of its own)."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(hook, recursive=True,
+                                 reason="zeroshard's hooks gather, release and reduce")
+
+
+def _border(module):
+    """``module``'s call as one graph border: a compiled caller does not trace into it
+    (one break, not one per hook), while the module's own forward, called from it, is
+    compiled as a frame of its own (``recursive=False``)."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(module._call_impl, recursive=False,
+                                 reason="a zeroshard unit: its hooks run eagerly")
 
 
 def _remove_hooks(handles: list) -> None:

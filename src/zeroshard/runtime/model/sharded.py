@@ -44,7 +44,7 @@ from ..schedule.prefetch import Prefetcher
 from ..step.cycle import StepCycle
 from ..step.optim import register_for_step_hooks
 from ..step.stepping import Stepper
-from . import dtensor, readout
+from . import adapters, dtensor, readout
 from .guard import ModuleGuard
 from .hooks import PassHooks
 
@@ -66,6 +66,7 @@ class ShardedModel(nn.Module):
                 f"{type(module).__name__} is already sharded (a ShardedModel at stage "
                 f"{inner.policy.stage} is inside it): zs.shard() takes the original module "
                 "once; use the sharded model as it is, or shard a fresh module")
+        adapters.refuse_quantized(module)
         self._original_ids = {id(p) for p in module.parameters()}
         self.module = module
         self.zero_config = config
@@ -109,6 +110,7 @@ class ShardedModel(nn.Module):
         """The profiler, when ``zs.shard(..., profile=True)`` attached one."""
         self.hooks = PassHooks(self)
         self.guard = ModuleGuard(self)  # loading and saving through the module itself
+        adapters.install(self)  # peft's calls on the module: save_pretrained, merges, ...
         # an optimizer over the DTensors released units show is one over the module's own
         self._original_ids |= {id(p) for u in self.units for p in u.view.sharded or ()}
         register_for_step_hooks(self)
@@ -146,11 +148,32 @@ class ShardedModel(nn.Module):
         Stages 0–1 keep full gradients anyway. Stages 2–3 then also keep the full
         gradients (2P bytes under bf16, as at stage 1) until the first backward outside
         the context reduces them."""
-        self.reducer.sync = False
+        before, self.reducer.sync = self.reducer.sync, False
         try:
             yield
         finally:
-            self.reducer.sync = True
+            self.reducer.sync = before
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, honoured as DDP honours it: ``False`` is ``no_sync()`` until
+        it is set back to ``True`` (nanoGPT sets it on every micro-step, True on the last)."""
+        return self.reducer.sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.reducer.sync = bool(value)
+
+    def compile(self, *args, **kwargs) -> None:
+        """``torch.compile`` each unit's computation, in place, as torchtitan compiles each
+        block before sharding it: the ``forward`` of every unit's module but the root's
+        is compiled with these arguments, and the engine's hooks around it stay eager.
+        ``torch.compile(model)`` compiles the model whole instead; each unit's call is
+        then a graph border (``hooks.py``)."""
+        for u in self.units:
+            m = u.module
+            if m is not self.module and "forward" not in vars(m):
+                m.forward = torch.compile(m.forward, *args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -52,8 +52,10 @@ class Reducer:
 
     def _issue_ready(self, flush: bool = False) -> None:
         """Issue reductions strictly in ``order``: the same sequence on every rank."""
-        while self._next < len(self.order) and self.order[self._next].ready:
-            if self.sync:
+        while self._next < len(self.order) and (self.order[self._next].ready
+                                                or not self.order[self._next].trainable):
+            # a unit with no trainable parameter has nothing to reduce: it holds none back
+            if self.sync and self.order[self._next].trainable:
                 self._bucket_add(self.order[self._next])
             self._next += 1
         if flush:

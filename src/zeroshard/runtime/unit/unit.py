@@ -21,6 +21,7 @@ from ..dist import TORCH_DTYPES, host_device
 from ..events import Events
 from .grads import averaged_grads
 from .layout import ShardLayout
+from .progress import BackwardProgress
 from .state import UnitState
 from .storage import make_storages, optimizer_views
 from .view import ModuleView
@@ -35,8 +36,7 @@ class Unit:
         # -- what the unit is (fixed) ----------------------------------------------------
         self.index, self.module, self.name = index, module, name
         self.policy, self.comm, self.ctx, self.events = policy, comm, ctx, events
-        self.names = [n for n, _ in named_params]
-        self.params = [p for _, p in named_params]
+        self.names, self.params = [n for n, _ in named_params], [p for _, p in named_params]
         self.trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         mesh = comm.mesh
         # rank and world of the optimizer state's shard group (a group of one at stage 0)
@@ -49,17 +49,16 @@ class Unit:
         # (collectives.py), so stage 0's all-reduce of the same buffer sums every element
         # in the same order, and stage 0 matches stages 1-3 bit for bit.
         self.r_layout = ShardLayout([s.shape for s in self.g_layout.slots], mesh.shard_world)
-        self.compute_dtype = TORCH_DTYPES[recipe.param_dtype]
-        self.grad_dtype = TORCH_DTYPES[recipe.grad_dtype]
+        self.compute_dtype, self.grad_dtype = (TORCH_DTYPES[recipe.param_dtype],
+                                               TORCH_DTYPES[recipe.grad_dtype])
         self.reduce_dtype = TORCH_DTYPES[recipe.reduce_dtype or recipe.grad_dtype]
         self.master_dtype = TORCH_DTYPES[recipe.master_dtype] if recipe.master_dtype else None
         if policy.offloads_optimizer and self.master_dtype is None:
             self.master_dtype = torch.float32  # fp32 offloaded: the host copy the step updates
         self.device, self.host = device, host_device()
         # -- storages (storage.py) -------------------------------------------------------
-        st = make_storages(self.params, self.trainable, self.w_layout, self.g_layout,
-                           self.rank, policy, self.compute_dtype, self.master_dtype, device,
-                           self.host)
+        st = make_storages(self.params, self.trainable, self.w_layout, self.g_layout, self.rank,
+                           policy, self.compute_dtype, self.master_dtype, device, self.host)
         self.disk = None  # disk offload: the file of the master and moments (offload/disk.py)
         if policy.optimizer_on_disk and st.master is not None:
             self.disk, master = place_on_disk(st.master, policy.offload_dir, comm, index)
@@ -74,7 +73,7 @@ class Unit:
         self.prefetched = False  # gathered ahead of use, not used yet
         self.w_secondary = None  # hpZ: [K/K2, S] slots kept from forward for backward
         # -- this cycle's gradients ------------------------------------------------------
-        self.pending_grads = 0  # trainable parameters yet to accumulate in this backward
+        self.progress = BackwardProgress(len(self.trainable))  # what still reads the weights
         self.ready = False  # this backward is done with the unit's parameters
         self.fresh = True  # the next reduced gradient overwrites the accumulator
         self.presence = None  # [F] per trainable param: ranks x micro-batches with a gradient
@@ -96,9 +95,8 @@ class Unit:
         out = torch.empty(self.world, self.w_layout.slot_numel, dtype=self.compute_dtype,
                           device=self.device)
         if self.w_secondary is not None and torch._C._current_graph_task_id() != -1:
-            # hpZ, in backward: inside the secondary group only (a forward always gathers
-            # the shards: a secondary copy left by a forward no backward used is stale
-            # once the weights change)
+            # hpZ, in backward: inside the secondary group only (a forward always gathers the
+            # shards: a secondary copy left by a forward no backward used is stale by then)
             work = self.comm.all_gather(out, self.w_secondary, async_op=True, unit=self.index,
                                         secondary=True)
         else:
@@ -151,7 +149,7 @@ class Unit:
 
     # -- gradients ------------------------------------------------------------------
     def start_backward(self, new_cycle: bool) -> None:
-        self.pending_grads = len(self.trainable)
+        self.progress.start()
         self.ready = False
         if new_cycle:
             self.fresh = True
@@ -163,17 +161,21 @@ class Unit:
                     self.params[i].grad = None
 
     def grad_arrived(self) -> bool:
-        """A trainable parameter has accumulated its gradient; True when it was the
-        last of this backward."""
-        self.pending_grads -= 1
-        return self.pending_grads == 0
+        """A trainable parameter has its gradient; True when it was the last."""
+        return self.progress.grad_arrived()
+
+    def inputs_done(self) -> None:
+        """A forward call's input gradients are computed (``progress.py``)."""
+        self.progress.input_done()
+        if self.policy.shards_params and self.progress.finished:
+            self.release()
 
     def backward_done(self) -> None:
-        """This backward is done with the unit's parameters (every gradient arrived, or
-        backward ended): release them where the policy shards them."""
+        """Every gradient of the unit is in (or backward ended): release the weights
+        where the policy shards them, unless an input gradient still reads them."""
         self.ready = True
         self.events.emit("backward_end", self)
-        if self.policy.shards_params:
+        if self.policy.shards_params and self.progress.finished:
             self.release()
 
     def reduction_issued(self, work, buf: torch.Tensor, part: torch.Tensor) -> None:
