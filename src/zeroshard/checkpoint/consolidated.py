@@ -15,9 +15,10 @@ from ..runtime.dist import TORCH_DTYPES
 from .exportdir import INDEX, SINGLE
 from .exportdir import check as check_out_dir
 from .exportdir import write as write_out_dir
-from .load import _agree, _pieces
+from .load import _agree
 from .sharded import entries, read_manifest, resolve, verify
 from .tensorfile import TensorFile, write_tensors
+from .tplayout import pieces, place, read_whole
 
 
 def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
@@ -53,11 +54,12 @@ def _export(ckpt_path, out_dir: Path, dtype: str, max_shard_bytes: int) -> dict:
             handles[fname] = TensorFile(str(ckpt / fname))
         return handles[fname]
 
-    def assemble(name, shape):
-        rows = shape[0] if shape else 1
-        parts = [opened(f).rows(name, fa, fb) for f, fa, fb, _, _ in
-                 _pieces(manifest, name, 0, rows)]
-        return torch.cat(parts).reshape(shape).to(out_dtype)
+    def assemble(name, shape):  # from every file's box ([Note: checkpoints across tp
+        full = torch.empty(shape or (1,), dtype=out_dtype)  # degrees] in tplayout.py)
+        want = {0: (0, full.shape[0])}
+        for f, fa, fb, have, common in pieces(manifest, name, want):
+            place(full, want, opened(f).rows(name, fa, fb), have, common)
+        return full.reshape(shape)
 
     items = [(n, tuple(p["shape"])) for n, p in manifest["params"].items()]
     f0 = f"rank{0:05d}.safetensors"
@@ -140,9 +142,9 @@ def load_pretrained(model, path: str | Path) -> None:
         for e, f in plan:
             a, b = e.held()
             if a < b:
-                e.local(a, b).copy_(f.rows(e.name, a, b).reshape(b - a, e.row))
+                e.local(a, b).copy_(read_whole(f, e.name, e, a, b))
         for name, buf in model.module.named_buffers():
             if name in wmap:
                 buf.copy_(TensorFile(str(wmap[name])).rows(name))
     model.refresh_compute()
-    dist.barrier(model.mesh.dp_group)
+    dist.barrier(model.mesh.control_group)
