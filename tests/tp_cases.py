@@ -130,13 +130,21 @@ def distance(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b) / scale
 
 
-def grid_parity(steps: int = 20):
+#: SGD steps per layout in the parity grid: 20 on dp 2 × tp 2, a few on the others (the
+#: stages' agreement and the distance show within them; 20 steps of every layout would
+#: quadruple the grid's time)
+PARITY_STEPS = {"dp2tp2": 20, "tp4": 3, "dp4": 3, "hsdp2x1tp2": 3}
+
+
+def grid_parity():
     """SGD at every stage and layout, both models: each run's full weights, compared on
     rank 0 with one another (bit for bit) and with the one-process reference."""
     out = {}
     for name in ("gpt", "llama"):
-        ref = reference(name, steps) if dist.get_rank() == 0 else None
-        for layout in LAYOUTS:
+        for steps in sorted(set(PARITY_STEPS.values())):
+            if dist.get_rank() == 0:
+                out[name, "ref", steps] = reference(name, steps)
+        for layout, steps in PARITY_STEPS.items():
             mesh = mesh_of(layout)
             for stage in range(4):
                 model = tp_model(name, mesh, stage)
@@ -144,6 +152,90 @@ def grid_parity(steps: int = 20):
                 full = model.full_state_dict()
                 if dist.get_rank() == 0:
                     out[name, layout, stage] = full
-        if dist.get_rank() == 0:
-            out[name, "ref"] = ref
+    return out if dist.get_rank() == 0 else None
+
+
+#: (model, layout, precision) of the ledger grid, each at stages 0-3
+LEDGER_CASES = [("gpt", "dp2tp2", None), ("gpt", "dp2tp2", "bf16"), ("llama", "dp2tp2", None),
+                ("gpt", "hsdp2x1tp2", None)]
+
+
+def grid_ledger():
+    """Memory per category between a backward and its step (the optimizer state made by
+    a first step), and bytes per level of one (unclipped) step, on every stage of each of
+    :data:`LEDGER_CASES`; and the flags (presence flags per unit) the engine adds."""
+    out = {}
+    for name, layout, precision in LEDGER_CASES:
+        mesh = mesh_of(layout)
+        for stage in range(4):
+            model = tp_model(name, mesh, stage, mixed_precision=precision)
+            opt = make_optimizer("adamw", model.parameters(), 1e-3)
+            x, y = batch(0)
+            loss(name, model, rows(mesh, x), rows(mesh, y)).backward()
+            opt.step()
+            opt.zero_grad()
+            model.comm_stats(reset=True)
+            x, y = batch(1)
+            loss(name, model, rows(mesh, x), rows(mesh, y)).backward()
+            seen = []
+            hook = opt.register_step_pre_hook(lambda o, a, k, seen=seen, m=model:
+                                              seen.append(m.memory(o)))
+            opt.step()
+            hook.remove()
+            opt.zero_grad()
+            out[name, layout, precision, stage] = {
+                "memory": seen[0], "levels": model.comm_stats(by_level=True),
+                "flags": [len(u.trainable) for u in model.units], "config": model.zero_config,
+                "tokens": rows(mesh, x).numel()}
+    return out if dist.get_rank() == 0 else None
+
+
+def fsdp2_tp(name: str, mesh):
+    """The same model under FSDP2 + TP on the same mesh (torchtitan's composition:
+    ``parallelize_module`` on the tp dim, then ``fully_shard`` per block and the root on
+    the dp dim)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(name)
+    parallelize(model, mesh["tp"], plan_of(name, model))
+    blocks = model.blocks if name == "gpt" else model.model.layers
+    for block in blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def clip_dtensors(params, max_norm: float) -> torch.Tensor:
+    """Clipping for FSDP2 + TP, whose parameters sit on two meshes (torch's
+    ``clip_grad_norm_`` refuses them): each gradient's norm made whole, then summed
+    (torchtitan's ``clip_grad_norm_`` does the same per mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n
+                         for n in norms]).pow(2).sum().sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
+    return total
+
+
+def adam_against_fsdp2(steps: int = 20, clip: float = 0.05, lr: float = 1e-2):
+    """Clipped AdamW on dp 2 × tp 2, the GPT: zeroshard at stages 0-3 and FSDP2 + TP,
+    each one's full weights; rank 0 adds the one-process reference and the clipped norms
+    of the first step (that the clipping clips)."""
+    mesh = mesh_of("dp2tp2")
+    out = {}
+    for stage in range(4):
+        model = tp_model("gpt", mesh, stage)
+        train("gpt", model, mesh, steps, "adamw", clip, lr)
+        out[stage] = model.full_state_dict()
+    net = fsdp2_tp("gpt", mesh)
+    train("gpt", net, mesh, steps, "adamw", clip, lr,
+          clip_fn=lambda c: clip_dtensors(list(net.parameters()), c))
+    out["fsdp2"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                    for k, v in net.state_dict().items()}
+    if dist.get_rank() == 0:
+        out["ref"] = reference("gpt", steps, "adamw", clip, lr)
     return out if dist.get_rank() == 0 else None

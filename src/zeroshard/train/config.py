@@ -123,6 +123,13 @@ class TrainConfig:
     engine creates has it too) before it fails, naming the collective. 300 s: far above
     any one collective of these models on one machine, so only a dead or frozen rank
     reaches it, and a run that cannot go on ends in minutes rather than torch's 30."""
+    # -- tensor parallelism ---------------------------------------------------------------
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matrices split over ``tp`` consecutive ranks
+    (a node's) with torch's own styles — the built-in GPT's plan (``GPT.TP_PLAN``), or
+    the one transformers ships for ``hf_model`` — and ZeRO over the ``N / tp``
+    data-parallel ranks (``zs.shard(..., mesh=)``). It must divide the processes, the
+    heads and the widths it splits."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -135,7 +142,7 @@ class TrainConfig:
                 raise ValueError(f"{name}={value!r} must be a positive number")
 
         for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout",
-                     "max_skipped"):
+                     "max_skipped", "tp"):
             positive(name)
         for name in ("micro_batch", "clip", "warmup", "save_every", "keep_last", "seq_len"):
             positive(name, allow_none=True)

@@ -61,7 +61,11 @@ class BuiltinGPT:
         from ..models.gpt import GPT
 
         torch.manual_seed(self.cfg.seed)
-        return shard(GPT(self.gpt_cfg), config=self.cfg.zero)
+        model = GPT(self.gpt_cfg)
+        c = self.gpt_cfg
+        return _sharded(model, self.cfg, GPT.TP_PLAN, f"GPT {self.cfg.model}",
+                        lambda: {"heads": c.heads, "hidden size": c.hidden,
+                                 "MLP width": 4 * c.hidden})
 
     def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return model(x, y)
@@ -120,9 +124,12 @@ class HFCausalLM:
         weights replace them next, so they are not read)."""
         from ..checkpoint.hflayout import load_hf_weights
         from ..models.hf import build_meta
+        from ..models.tp import hf_plan
 
-        model = shard(build_meta(self.cfg.hf_model), config=self.cfg.zero, param_init=_zeros,
-                      seed=self.cfg.seed)
+        meta = build_meta(self.cfg.hf_model)
+        plan = hf_plan(meta) if self.cfg.tp > 1 else {}
+        model = _sharded(meta, self.cfg, plan, self.info.architecture,
+                         lambda: _hf_sizes(meta.config), param_init=_zeros, seed=self.cfg.seed)
         if load_weights:
             load_hf_weights(model, self.cfg.hf_model)
         return model
@@ -165,6 +172,29 @@ class HFCausalLM:
         from ..plan.hfconfig import from_hf_config
 
         return from_hf_config(Path(self.cfg.hf_model) / "config.json")
+
+
+def _sharded(model, cfg: TrainConfig, plan: dict, label: str, sizes, **options):
+    """``model`` sharded as ``cfg`` says; with ``cfg.tp`` > 1 first parallelized by
+    ``plan`` with torch's styles over the ``"tp"`` dim of a ``(dp, tp)`` mesh, every size
+    it splits (``sizes()``) checked to divide by tp (``models/tp.py``)."""
+    if cfg.tp == 1:
+        return shard(model, config=cfg.zero, **options)
+    from ..models.tp import check_degree, device_mesh, parallelize
+
+    check_degree(cfg.tp, label, sizes())
+    mesh = device_mesh(cfg.tp, cfg.zero.shard_group)
+    parallelize(model, mesh["tp"], plan)
+    return shard(model, config=cfg.zero, mesh=mesh, **options)
+
+
+def _hf_sizes(config) -> dict[str, int]:
+    """What transformers' plan splits: the heads, the key/value heads, the MLP width and
+    the vocabulary (its embedding and head are vocabulary-parallel)."""
+    heads = config.num_attention_heads
+    return {"attention heads": heads,
+            "key/value heads": getattr(config, "num_key_value_heads", None) or heads,
+            "MLP width": config.intermediate_size, "vocabulary": config.vocab_size}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -56,13 +56,17 @@ def repoint(p: nn.Parameter, view: torch.Tensor) -> None:
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     """``p.grad``'s local tensor. A DTensor gradient whose placements are not the
-    parameter's (``Partial()`` for a replicated norm under ``SequenceParallel``) is
-    redistributed to them first: an all-reduce over the tp group, inside DTensor."""
+    parameter's is redistributed to them first and kept so: ``Partial()`` for a
+    replicated norm under ``SequenceParallel`` (an all-reduce over the tp group, inside
+    DTensor), ``Replicate()`` for a vocabulary-parallel embedding (torch's embedding
+    backward gives the whole table; its slice is taken, no collective), as FSDP2 does in
+    ``_get_grad_inner_tensor``. A gradient kept until the step (stage 1) is then this
+    rank's slice, as the planner counts it."""
     g = p.grad
     if g is None or not isinstance(g, DTensor):
         return g
     if tuple(g.placements) != tuple(p.placements):
-        g = g.redistribute(p.device_mesh, p.placements)
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
     return g._local_tensor
 
 
