@@ -239,3 +239,48 @@ def adam_against_fsdp2(steps: int = 20, clip: float = 0.05, lr: float = 1e-2):
     if dist.get_rank() == 0:
         out["ref"] = reference("gpt", steps, "adamw", clip, lr)
     return out if dist.get_rank() == 0 else None
+
+
+def nonfinite_in_one_slice(clip):
+    """dp 2 × tp 2, the GPT, ``nonfinite="skip"``: at step 1 rank 1 (tp rank 1) alone puts a
+    NaN in its rows of a column-parallel weight's gradient; every rank must skip that
+    step (the weights before and after it equal on every rank) and take the next."""
+    mesh = mesh_of("dp2tp2")
+    model = tp_model("gpt", mesh, 3, nonfinite="skip")
+    opt = make_optimizer("adamw", model.parameters(), 1e-2)
+    shard = dict(model.named_shards())["blocks.0.q.weight"]
+    out = []
+    for step in range(3):
+        x, y = batch(step)
+        loss("gpt", model, rows(mesh, x), rows(mesh, y)).backward()
+        model.synchronize()
+        model.stepper.finalize_grads()
+        if step == 1 and dist.get_rank() == 1:
+            shard.grad.view(-1)[0] = float("nan")
+        if clip is not None:
+            model.clip_grad_norm_(clip)
+        before = [s.detach().clone() for _, s in model.named_shards()]
+        opt.step()
+        opt.zero_grad()
+        same = all(torch.equal(a, s) for a, (_, s) in zip(before, model.named_shards()))
+        out.append((model.last_step_skipped, same))
+    return out
+
+
+def out_of_step_across_tp():
+    """dp 2 × tp 2: tp rank 1 of data-parallel rank 0 (rank 1) alone clips; the ranks'
+    fingerprints (their control group spans every rank of the mesh) stop every rank."""
+    from zeroshard.runtime.comm.watch import RanksOutOfStep
+
+    mesh = mesh_of("dp2tp2")
+    model = tp_model("gpt", mesh, 2)
+    opt = make_optimizer("adamw", model.parameters(), 1e-2)
+    x, y = batch(0)
+    loss("gpt", model, rows(mesh, x), rows(mesh, y)).backward()
+    try:
+        if dist.get_rank() == 1:
+            model.clip_grad_norm_(1.0)
+        opt.step()
+    except RanksOutOfStep as exc:
+        return str(exc)
+    return "not stopped"

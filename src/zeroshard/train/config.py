@@ -181,9 +181,16 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
 
     def accumulation(self, world: int) -> tuple[int, int]:
-        """(micro-batch per process, micro-batches per step) at ``world`` processes."""
+        """(micro-batch per process, micro-batches per step) at ``world`` processes; with
+        ``tp`` > 1 per data-parallel rank, of which there are ``world / tp`` (the ranks of
+        a tensor-parallel group share their micro-batches)."""
+        if world % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide the {processes(world)}; expected "
+                             f"one of {[d for d in range(1, world + 1) if world % d == 0]}")
+        world //= self.tp
         if self.batch % world:
-            raise ValueError(f"batch={self.batch} does not divide over {processes(world)}")
+            raise ValueError(f"batch={self.batch} does not divide over {processes(world)}"
+                             + (" (data-parallel ranks)" if self.tp > 1 else ""))
         per_rank = self.batch // world
         micro = self.micro_batch or per_rank
         if per_rank % micro:

@@ -62,10 +62,12 @@ class BuiltinGPT:
 
         torch.manual_seed(self.cfg.seed)
         model = GPT(self.gpt_cfg)
+        return _sharded(model, self.cfg, GPT.TP_PLAN, self.label, self.tp_sizes)
+
+    def tp_sizes(self) -> dict[str, int]:
+        """What tensor parallelism splits (``GPT.TP_PLAN``): the heads and the widths."""
         c = self.gpt_cfg
-        return _sharded(model, self.cfg, GPT.TP_PLAN, f"GPT {self.cfg.model}",
-                        lambda: {"heads": c.heads, "hidden size": c.hidden,
-                                 "MLP width": 4 * c.hidden})
+        return {"heads": c.heads, "hidden size": c.hidden, "MLP width": 4 * c.hidden}
 
     def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return model(x, y)
@@ -128,11 +130,22 @@ class HFCausalLM:
 
         meta = build_meta(self.cfg.hf_model)
         plan = hf_plan(meta) if self.cfg.tp > 1 else {}
-        model = _sharded(meta, self.cfg, plan, self.info.architecture,
-                         lambda: _hf_sizes(meta.config), param_init=_zeros, seed=self.cfg.seed)
+        model = _sharded(meta, self.cfg, plan, self.info.architecture, self.tp_sizes,
+                         param_init=_zeros, seed=self.cfg.seed)
         if load_weights:
             load_hf_weights(model, self.cfg.hf_model)
         return model
+
+    def tp_sizes(self) -> dict[str, int]:
+        """What transformers' plan splits: the heads, the key/value heads, the MLP width
+        and the vocabulary (its embedding and head are vocabulary-parallel)."""
+        from ..models.hf import load_config
+
+        config = load_config(self.cfg.hf_model)
+        heads = config.num_attention_heads
+        return {"attention heads": heads,
+                "key/value heads": getattr(config, "num_key_value_heads", None) or heads,
+                "MLP width": getattr(config, "intermediate_size", 0), "vocabulary": self.vocab}
 
     def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         from ..models.hf import lm_loss
@@ -186,15 +199,6 @@ def _sharded(model, cfg: TrainConfig, plan: dict, label: str, sizes, **options):
     mesh = device_mesh(cfg.tp, cfg.zero.shard_group)
     parallelize(model, mesh["tp"], plan)
     return shard(model, config=cfg.zero, mesh=mesh, **options)
-
-
-def _hf_sizes(config) -> dict[str, int]:
-    """What transformers' plan splits: the heads, the key/value heads, the MLP width and
-    the vocabulary (its embedding and head are vocabulary-parallel)."""
-    heads = config.num_attention_heads
-    return {"attention heads": heads,
-            "key/value heads": getattr(config, "num_key_value_heads", None) or heads,
-            "MLP width": config.intermediate_size, "vocabulary": config.vocab_size}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

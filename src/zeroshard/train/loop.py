@@ -15,7 +15,7 @@ from ..runtime.dist import default_device, init_distributed
 from ..runtime.step.scaler import GradScaler
 from ..runtime.unit.local import local
 from .board import Board
-from .config import TrainConfig, processes
+from .config import TrainConfig
 from .datasource import open_source
 from .hfmodel import model_source
 from .profile import profile_report
@@ -70,10 +70,7 @@ def set_up(cfg: TrainConfig) -> Run:
     reporter (the header printed) and the JSON log."""
     rank, world = init_distributed(timeout_s=cfg.timeout)
     device = default_device()  # batches are made on the host, the same on every rank
-    if world % cfg.tp:
-        raise ValueError(f"--tp {cfg.tp} does not divide the {processes(world)}; expected "
-                         f"one of {[d for d in range(1, world + 1) if world % d == 0]}")
-    micro, accum = cfg.accumulation(world // cfg.tp)  # per data-parallel rank
+    micro, accum = cfg.accumulation(world)  # per data-parallel rank beside TP
     for name in ("save_dir", "profile"):  # under torchrun no launcher checked them
         if getattr(cfg, name):
             folder(name, getattr(cfg, name))

@@ -126,9 +126,10 @@ class Reporter:
         params = sum(units) if units else self.params  # tp x a rank's beside TP (plan/tp.py)
         weights, grads, optimizer = model_state_bytes(params, dims, config)
         hybrid = f", shard groups of {dims.shard_size}" if dims.replicas > 1 else ""
+        hybrid += f", TP {dims.tp}" if dims.tp > 1 else ""
         offload = f", offload {config.offload}" if config.offload else ""
         t = Table(title=f"memory per rank (MB): measured by the ledger / planned "
-                        f"({recipe.name}, stage {config.stage}, N = {self.world}{hybrid}"
+                        f"({recipe.name}, stage {config.stage}, N = {dims.dp}{hybrid}"
                         f"{offload})", title_justify="left")
         for col in ("rank", "params", "grads", "optimizer", "padding", "gathered", "buffers"):
             t.add_column(col, justify="right")
