@@ -284,3 +284,144 @@ def out_of_step_across_tp():
     except RanksOutOfStep as exc:
         return str(exc)
     return "not stopped"
+
+
+def _trained(layout: str, stage: int, steps: int = 2):
+    mesh = mesh_of(layout)
+    model = tp_model("gpt", mesh, stage)
+    opt = make_optimizer("adamw", model.parameters(), 1e-2)
+    for step in range(steps):
+        x, y = batch(step)
+        loss("gpt", model, rows(mesh, x), rows(mesh, y)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def full_state(model, opt) -> dict:
+    """The full weights and the full moments (the optimizer's state dict speaks DTensor,
+    ``step/optim_state.py``): a collective."""
+    names = [n for n, _ in model.named_shards()]
+    moments = {f"{names[i]}::{k}": v.full_tensor()
+               for i, state in sorted(opt.state_dict()["state"].items())
+               for k, v in sorted(state.items()) if hasattr(v, "full_tensor")}
+    return {**model.full_state_dict(), **moments}
+
+
+def _loaded(layout: str, stage: int, path: str) -> dict:
+    mesh = mesh_of(layout)
+    model = tp_model("gpt", mesh, stage)
+    opt = make_optimizer("adamw", model.parameters(), 1e-2)
+    zs.load(model, opt, path)
+    return full_state(model, opt)
+
+
+def checkpoints(folder: str) -> dict:
+    """zeroshard's checkpoints across tp degrees on 4 ranks: A saved at dp 2 × tp 2 (stage
+    3) loaded at dp 4 (stage 1), tp 4 (stage 2) and dp 2 × tp 2 (stage 0); B saved at dp 4
+    (stage 2) loaded at dp 2 × tp 2 (stage 3); A exported (rank 0) and the export loaded
+    at dp 2 × tp 2 through ``zs.load_pretrained``. Full weights and moments of each."""
+    from zeroshard.checkpoint.consolidated import export, load_pretrained
+
+    out = {}
+    model, opt = _trained("dp2tp2", 3)
+    zs.save(model, opt, f"{folder}/a")
+    out["a"] = full_state(model, opt)
+    for layout, stage in (("dp4", 1), ("tp4", 2), ("dp2tp2", 0)):
+        out["a", layout] = _loaded(layout, stage, f"{folder}/a")
+    model, opt = _trained("dp4", 2)
+    zs.save(model, opt, f"{folder}/b")
+    out["b"] = full_state(model, opt)
+    out["b", "dp2tp2"] = _loaded("dp2tp2", 3, f"{folder}/b")
+    if dist.get_rank() == 0:
+        export(f"{folder}/a", f"{folder}/a-export")
+    dist.barrier()
+    mesh = mesh_of("dp2tp2")
+    plain = tp_model("gpt", mesh, 1)
+    load_pretrained(plain, f"{folder}/a-export")
+    out["export", "dp2tp2"] = plain.full_state_dict()
+    return out
+
+
+def dcp_across_tp(folder: str) -> dict:
+    """``torch.distributed.checkpoint`` of the state dict (DTensors on the 2-D mesh) saved
+    at dp 2 × tp 2 (stage 3) and loaded at tp 4 (stage 1) and at dp 4 without a mesh
+    (stage 2): the full weights of each."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    model, _ = _trained("dp2tp2", 3)
+    dcp.save(model.state_dict(), checkpoint_id=f"{folder}/dcp")
+    out["saved"] = model.full_state_dict()
+    for layout, stage in (("tp4", 1), (None, 2)):
+        other = (tp_model("gpt", mesh_of(layout), stage) if layout else
+                 zs.shard(build("gpt"), stage=stage))
+        sd = other.state_dict()
+        dcp.load(sd, checkpoint_id=f"{folder}/dcp")
+        other.load_state_dict(sd)
+        out[layout or "plain dp4"] = other.full_state_dict()
+    return out
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self, width: int = 6):
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.down = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+
+def errors() -> list[str]:
+    """One line each: a mesh with other dims, a DTensor model given no mesh, a DTensor model
+    on another mesh's tp dim, a tp degree that does not divide a split dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def attempt(build_model, mesh):
+        try:
+            zs.shard(build_model(), stage=3, mesh=mesh)
+            return "accepted"
+        except ValueError as exc:
+            return str(exc)
+
+    mesh = mesh_of("dp2tp2")
+    other = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "model"))
+
+    def on(tp_mesh, width=8):
+        def make():
+            m = TwoLinears(width)
+            return parallelize(m, tp_mesh, {"up": "colwise", "down": "rowwise"})
+        return make
+
+    return [attempt(on(mesh["tp"]), named), attempt(on(mesh["tp"]), None),
+            attempt(on(mesh["tp"]), other), attempt(on(other["tp"], width=6), other)]
+
+
+def features(folder: str) -> dict:
+    """The 4-rank spawn of ``test_tp_features.py``: every rank's results."""
+    out = {"adam": adam_against_fsdp2(),
+           "nonfinite": {clip: nonfinite_in_one_slice(clip) for clip in (None, 1.0)},
+           "checkpoints": checkpoints(folder), "dcp": dcp_across_tp(folder),
+           "errors": errors()}
+    out["out_of_step"] = out_of_step_across_tp()  # last: it leaves the groups out of step
+    return out
+
+
+def two_ranks(folder: str) -> dict:
+    """tp 2 × dp 1 on 2 ranks: checkpoint A (written at dp 2 × tp 2) loaded; C saved here
+    (stage 2) and loaded at dp 2 without tensor parallelism (stage 3)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = tp_model("gpt", mesh, 2)
+    opt = make_optimizer("adamw", model.parameters(), 1e-2)
+    zs.load(model, opt, f"{folder}/a")
+    out = {"a": full_state(model, opt)}
+    zs.save(model, opt, f"{folder}/c")
+    plain = zs.shard(build("gpt"), stage=3)
+    opt = make_optimizer("adamw", plain.parameters(), 1e-2)
+    zs.load(plain, opt, f"{folder}/c")
+    out["c", "dp2"] = full_state(plain, opt)
+    return out

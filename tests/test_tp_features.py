@@ -1,0 +1,121 @@
+"""ZeRO beside tensor parallelism, feature by feature, on 4 gloo ranks as dp 2 × tp 2 (one
+spawn, ``tp_cases.features``; a second of 2 ranks as tp 2 × dp 1), the built-in GPT:
+
+- 20 clipped AdamW steps: the four stages agree bit for bit, and stay no farther from
+  the unsharded model (one process, the whole global batch, torch's clipping) than FSDP2
+  + TP on the same mesh, clipped by the global norm made whole per gradient (torch's
+  ``clip_grad_norm_`` refuses FSDP2 + TP's parameters, which sit on two meshes);
+- a NaN in one tp rank's slice skips the step on every rank (with clipping and without);
+- ranks out of step across the tp axis stop every rank, naming each one's collective;
+- zeroshard's checkpoints across tp degrees (dp 2 × tp 2 to dp 4, tp 4, tp 2 × dp 1 and a
+  plain export; dp 4, an export and tp 2 × dp 1 back), weights and Adam's moments bit for
+  bit, and ``torch.distributed.checkpoint`` of the state dict across tp degrees;
+- one line for each mistake: a mesh with other dims, DTensors and no mesh, DTensors on
+  another mesh, a tp degree that does not divide a split dim.
+"""
+
+import pytest
+import torch
+
+from zeroshard.checkpoint.consolidated import export
+from zeroshard.runtime.spawn import spawn
+
+from . import tp_cases as cases
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.fixture(scope="module")
+def ranks(folder):
+    return spawn(cases.features, 4, str(folder), timeout=900)
+
+
+@pytest.fixture(scope="module")
+def two(ranks, folder):
+    return spawn(cases.two_ranks, 2, str(folder), timeout=300)[0]
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_adam_with_clipping_is_no_farther_than_fsdp2_tp(ranks):
+    r = ranks[0]["adam"]
+    for stage in (1, 2, 3):
+        assert _equal(r[stage], r[0]), stage
+    ours, theirs = cases.distance(r[0], r["ref"]), cases.distance(r["fsdp2"], r["ref"])
+    assert ours <= theirs, (ours, theirs)
+    assert theirs < 1e-3
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_nan_in_one_tp_slice_skips_every_rank(ranks, clip):
+    for rank in ranks:
+        # (skipped, weights unchanged) per step: only step 1 is skipped, on every rank
+        assert rank["nonfinite"][clip] == [(False, False), (True, True), (False, False)]
+
+
+def test_ranks_out_of_step_across_tp_stop_every_rank(ranks):
+    for rank in ranks:
+        text = rank["out_of_step"]
+        assert text.startswith("ranks are out of step"), text
+        assert "rank 1: all_reduce" in text and "rank 3: an agreement" in text, text
+
+
+def test_checkpoints_across_tp_degrees(ranks, two, folder, tmp_path):
+    r = ranks[0]["checkpoints"]
+    for layout in ("dp4", "tp4", "dp2tp2"):
+        assert _equal(r["a", layout], r["a"]), layout
+    assert _equal(r["b", "dp2tp2"], r["b"])
+    weights = {k: v for k, v in r["a"].items() if "::" not in k}
+    assert _equal(r["export", "dp2tp2"], weights)  # a plain model's file, into tp 2
+    from safetensors.torch import load_file
+
+    exported = load_file(folder / "a-export" / "model.safetensors")
+    assert all(torch.equal(exported[k], weights[k]) for k in exported)
+    assert set(weights) - set(exported) == {"head.weight"}  # tied: saved once, as wte
+    # tp 2 × dp 1: A loaded; C written there, loaded at dp 2 and exported, is A again
+    assert _equal(two["a"], r["a"]) and _equal(two["c", "dp2"], r["a"])
+    export(folder / "c", tmp_path / "c-export")
+    c = load_file(tmp_path / "c-export" / "model.safetensors")
+    assert all(torch.equal(c[k], weights[k]) for k in c)
+
+
+def test_manifest_records_each_tensors_tp_layout(ranks, folder):
+    import json
+
+    manifest = json.loads((folder / "a" / "manifest.json").read_text())
+    assert manifest["tp"] == 2 and manifest["world"] == 2
+    params = manifest["params"]
+    assert params["blocks.0.q.weight"]["tp"] == {"dim": 0}
+    assert params["blocks.0.proj.weight"]["tp"] == {"dim": 1}
+    assert "tp" not in params["blocks.0.proj.bias"] and "tp" not in params["wte.weight"]
+    files = manifest["files"]
+    assert sorted(files) == [f"rank{i:05d}.safetensors" for i in range(4)]
+    # a whole parameter is written by tp rank 0's files alone
+    assert [f["tp_rank"] for _, f in sorted(files.items())] == [0, 0, 1, 1]
+    assert all("wte.weight" not in f["rows"] for f in files.values() if f["tp_rank"])
+
+
+def test_dcp_reshards_across_tp_degrees(ranks):
+    r = ranks[0]["dcp"]
+    assert _equal(r["tp4"], r["saved"]) and _equal(r["plain dp4"], r["saved"])
+
+
+def test_each_mistake_is_one_line(ranks):
+    names, none, other, uneven = ranks[0]["errors"]
+    assert names == ("mesh: a DeviceMesh with dims ('data', 'model'); expected dims ('dp', "
+                     "'tp') or ('dp_replicate', 'dp_shard', 'tp') (init_device_mesh(..., "
+                     "mesh_dim_names=...))")
+    assert none.startswith("parameter 'up.weight' is a DTensor on a mesh of dims ('tp',) "
+                           "([0, 1]), and zs.shard() was given no mesh; pass mesh= ")
+    assert "not on the 'tp' dim of the mesh zs.shard() was given ([0, 1, 2, 3])" in other
+    assert uneven == ("tp=4 does not divide dim 0 of parameter 'up.weight' ((6, 6)); expected "
+                      "a tp degree dividing 6")
+    for text in (names, none, other, uneven):
+        assert "\n" not in text
