@@ -11,7 +11,9 @@ spawn, ``tp_cases.features``; a second of 2 ranks as tp 2 × dp 1), the built-in
   plain export; dp 4, an export and tp 2 × dp 1 back), weights and Adam's moments bit for
   bit, and ``torch.distributed.checkpoint`` of the state dict across tp degrees;
 - one line for each mistake: a mesh with other dims, DTensors and no mesh, DTensors on
-  another mesh, a tp degree that does not divide a split dim.
+  another mesh, a tp degree that does not divide a split dim;
+- ``SequenceParallel``: a norm whose gradient arrives ``Partial()``, at stages 0 and 3,
+  against one process.
 """
 
 import pytest
@@ -119,3 +121,11 @@ def test_each_mistake_is_one_line(ranks):
                       "a tp degree dividing 6")
     for text in (names, none, other, uneven):
         assert "\n" not in text
+
+
+def test_sequence_parallel_norms(ranks):
+    """A ``SequenceParallel`` norm's gradient arrives ``Partial()``: made its parameter's
+    placement (an all-reduce over tp) before the reduction, every stage alike."""
+    r = ranks[0]["sp"]
+    assert _equal(r[3], r[0])
+    assert cases.distance(r[0], r["ref"]) < 1e-6

@@ -404,7 +404,7 @@ def features(folder: str) -> dict:
     out = {"adam": adam_against_fsdp2(),
            "nonfinite": {clip: nonfinite_in_one_slice(clip) for clip in (None, 1.0)},
            "checkpoints": checkpoints(folder), "dcp": dcp_across_tp(folder),
-           "errors": errors()}
+           "errors": errors(), "sp": sequence_parallel()}
     out["out_of_step"] = out_of_step_across_tp()  # last: it leaves the groups out of step
     return out
 
@@ -424,4 +424,62 @@ def two_ranks(folder: str) -> dict:
     opt = make_optimizer("adamw", plain.parameters(), 1e-2)
     zs.load(plain, opt, f"{folder}/c")
     out["c", "dp2"] = full_state(plain, opt)
+    return out
+
+
+class SPNet(torch.nn.Module):
+    """A norm and an MLP under sequence parallelism: the norm on this rank's tokens
+    (``SequenceParallel``: its replicated weight's gradient arrives ``Partial()``)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def sequence_parallel(steps: int = 3) -> dict:
+    """dp 2 × tp 2, SGD, stages 0 and 3: ``SequenceParallel`` norm, the MLP taking and
+    giving sequence shards; each tp rank's loss is its tokens' share of the mean. The
+    full weights of each stage and of the one-process reference."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = mesh_of("dp2tp2")
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4, 8, 8, generator=g), torch.randn(4, 8, 8, generator=g)
+    tp, t = mesh.size(1), mesh.get_local_rank("tp")
+    out = {}
+    for stage in (0, 3):
+        torch.manual_seed(3)
+        net = SPNet()
+        parallelize_module(net, mesh["tp"], {
+            "norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))})
+        model = zs.shard(net, stage=stage, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xs, ys = (v.chunk(tp, dim=1)[t] for v in (rows(mesh, x), rows(mesh, y)))
+        for _ in range(steps):
+            mine = model(xs)  # this rank's tokens
+            ((mine - ys) ** 2).sum().div(rows(mesh, y).numel()).backward()
+            opt.step()
+            opt.zero_grad()
+        out[stage] = model.full_state_dict()
+    if dist.get_rank() == 0:
+        torch.manual_seed(3)
+        ref = SPNet()
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(steps):
+            ((ref(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out["ref"] = {k: v.detach() for k, v in ref.state_dict().items()}
     return out
