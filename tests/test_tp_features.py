@@ -13,7 +13,8 @@ spawn, ``tp_cases.features``; a second of 2 ranks as tp 2 × dp 1), the built-in
 - one line for each mistake: a mesh with other dims, DTensors and no mesh, DTensors on
   another mesh, a tp degree that does not divide a split dim;
 - ``SequenceParallel``: a norm whose gradient arrives ``Partial()``, at stages 0 and 3,
-  against one process.
+  against one process;
+- what the module shows between steps: DTensors on the 2-D mesh.
 """
 
 import pytest
@@ -129,3 +130,17 @@ def test_sequence_parallel_norms(ranks):
     r = ranks[0]["sp"]
     assert _equal(r[3], r[0])
     assert cases.distance(r[0], r["ref"]) < 1e-6
+
+
+def test_the_module_shows_dtensors_on_the_2d_mesh(ranks):
+    """Between steps a released stage-3 unit shows this rank's rows as DTensors on the
+    (dp, tp) mesh (FSDP2's swap): ``_StridedShard`` on dp where tp split dim 0 too."""
+    r = ranks[0]["view"]
+    mesh = ("dp", "tp")
+    assert r["blocks.0.q.weight"] == (mesh, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert r["blocks.0.proj.weight"] == (mesh, "(Shard(dim=0), Shard(dim=1))")
+    assert r["blocks.0.proj.bias"] == (mesh, "(Shard(dim=0), Replicate())")
+    assert r["blocks.0.ln1.weight"] == (mesh, "(Shard(dim=0), Replicate())")
+    whole = r["whole"]
+    assert all(torch.equal(whole[k], r["full"][k]) for k in whole)
+

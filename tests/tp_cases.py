@@ -404,7 +404,7 @@ def features(folder: str) -> dict:
     out = {"adam": adam_against_fsdp2(),
            "nonfinite": {clip: nonfinite_in_one_slice(clip) for clip in (None, 1.0)},
            "checkpoints": checkpoints(folder), "dcp": dcp_across_tp(folder),
-           "errors": errors(), "sp": sequence_parallel()}
+           "errors": errors(), "sp": sequence_parallel(), "view": module_view()}
     out["out_of_step"] = out_of_step_across_tp()  # last: it leaves the groups out of step
     return out
 
@@ -482,4 +482,17 @@ def sequence_parallel(steps: int = 3) -> dict:
             opt.step()
             opt.zero_grad()
         out["ref"] = {k: v.detach() for k, v in ref.state_dict().items()}
+    return out
+
+
+def module_view() -> dict:
+    """dp 2 × tp 2 at stage 3, between steps: what the module shows of a released unit —
+    DTensors on the 2-D mesh, whole again through ``full_tensor()`` — and the full
+    weights to compare them with."""
+    model, _ = _trained("dp2tp2", 3, steps=1)
+    shown = dict(model.module.named_parameters())
+    out = {name: (tuple(p.device_mesh.mesh_dim_names), str(p.placements))
+           for name, p in shown.items() if name.startswith("blocks.0.")}
+    out["whole"] = {name: p.full_tensor() for name, p in shown.items()}
+    out["full"] = model.full_state_dict()
     return out

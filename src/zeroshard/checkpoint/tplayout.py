@@ -45,7 +45,7 @@ def local_shape(shape, d: int | None, world: int) -> tuple[int, ...]:
 def saved_split(manifest: dict, name: str) -> tuple[int | None, int]:
     """(dim, degree) tensor parallelism split ``name`` on in ``manifest`` (None, 1 where
     it did not)."""
-    tp = manifest["params"][name].get("tp")
+    tp = (manifest.get("params", {}).get(name) or {}).get("tp")
     return (None, 1) if tp is None else (tp["dim"], manifest.get("tp", 1))
 
 
@@ -58,7 +58,7 @@ def pieces(manifest: dict, name: str, want: dict[int, tuple]) -> list[tuple]:
     """(file, the file's rows [fa, fb) to read (counted in the file), the box of all its
     rows, the part of ``want`` they fill) for every file holding part of box ``want`` of
     ``name``."""
-    shape = manifest["params"][name]["shape"] or [1]
+    shape = (manifest.get("params", {}).get(name) or {}).get("shape") or [1]
     d, world = saved_split(manifest, name)
     out = []
     for fname, info in sorted(manifest["files"].items()):
