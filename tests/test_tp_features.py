@@ -14,7 +14,9 @@ spawn, ``tp_cases.features``; a second of 2 ranks as tp 2 × dp 1), the built-in
   another mesh, a tp degree that does not divide a split dim;
 - ``SequenceParallel``: a norm whose gradient arrives ``Partial()``, at stages 0 and 3,
   against one process;
-- what the module shows between steps: DTensors on the 2-D mesh.
+- what the module shows between steps: DTensors on the 2-D mesh;
+- the other features beside it, 3 SGD steps against one process: accumulation, offload
+  of the optimizer, hpZ (bit for bit plain stage 3), qwZ + qgZ (an approximation).
 """
 
 import pytest
@@ -143,4 +145,12 @@ def test_the_module_shows_dtensors_on_the_2d_mesh(ranks):
     assert r["blocks.0.ln1.weight"] == (mesh, "(Shard(dim=0), Replicate())")
     whole = r["whole"]
     assert all(torch.equal(whole[k], r["full"][k]) for k in whole)
+
+
+def test_accumulation_offload_and_zeropp_beside_tp(ranks):
+    r = ranks[0]["other"]
+    for key in (("accum", 1), ("accum", 2), "offload", "plain3"):
+        assert cases.distance(r[key], r["ref"]) < 1e-6, key
+    assert _equal(r["hpz"], r["plain3"])
+    assert cases.distance(r["quantized"], r["ref"]) < 1e-2  # int8 blocks of 64
 

@@ -404,7 +404,8 @@ def features(folder: str) -> dict:
     out = {"adam": adam_against_fsdp2(),
            "nonfinite": {clip: nonfinite_in_one_slice(clip) for clip in (None, 1.0)},
            "checkpoints": checkpoints(folder), "dcp": dcp_across_tp(folder),
-           "errors": errors(), "sp": sequence_parallel(), "view": module_view()}
+           "errors": errors(), "sp": sequence_parallel(), "view": module_view(),
+           "other": other_features()}
     out["out_of_step"] = out_of_step_across_tp()  # last: it leaves the groups out of step
     return out
 
@@ -495,4 +496,34 @@ def module_view() -> dict:
            for name, p in shown.items() if name.startswith("blocks.0.")}
     out["whole"] = {name: p.full_tensor() for name, p in shown.items()}
     out["full"] = model.full_state_dict()
+    return out
+
+
+def _sgd_run(mesh, stage: int, steps: int = 3, micros: int = 1, **options) -> dict:
+    """SGD on the GPT, ``micros`` accumulated micro-batches per step; its full weights."""
+    model = tp_model("gpt", mesh, stage, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = (rows(mesh, t) for t in batch(step))
+        for m in range(micros):
+            part = slice(m * x.shape[0] // micros, (m + 1) * x.shape[0] // micros)
+            (loss("gpt", model, x[part], y[part]) / micros).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.full_state_dict()
+
+
+def other_features() -> dict:
+    """dp 2 × tp 2, the GPT, 3 SGD steps: accumulation (2 micro-batches, stages 1 and 2),
+    offload of the optimizer (stage 3), hpZ (a secondary group of 1 at stage 3, beside
+    plain stage 3), qwZ + qgZ (stage 3), and the one-process reference (rank 0)."""
+    mesh = mesh_of("dp2tp2")
+    out = {("accum", s): _sgd_run(mesh, s, micros=2) for s in (1, 2)}
+    out["offload"] = _sgd_run(mesh, 3, offload="optimizer")
+    out["plain3"] = _sgd_run(mesh, 3)
+    out["hpz"] = _sgd_run(mesh, 3, secondary_group=1)
+    out["quantized"] = _sgd_run(mesh, 3, quantize_weights=True, quantize_grads=True,
+                                quant_block=64)
+    if dist.get_rank() == 0:
+        out["ref"] = reference("gpt", 3)
     return out
