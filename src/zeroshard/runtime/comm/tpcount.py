@@ -32,20 +32,29 @@ KINDS = {"all_reduce": ("all_reduce", False), "all_reduce_": ("all_reduce", Fals
          "broadcast": ("broadcast", False), "broadcast_": ("broadcast", False)}
 
 
+def _watched() -> dict:
+    """The ``_c10d_functional`` op overloads of :data:`KINDS` -> (kind, output counts)."""
+    import torch
+
+    ops = torch.ops._c10d_functional
+    return {getattr(ops, name).default: kind for name, kind in KINDS.items()
+            if hasattr(ops, name)}
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, comm) -> None:
         super().__init__()
         self.comm = comm
+        self.watched = _watched()  # one dict lookup per op: the mode sees every op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "_c10d_functional":
-            kind = KINDS.get(func._opname)
-            if kind is not None:
-                t = out if kind[1] else args[0]
-                name = (kwargs or {}).get("group_name", args[-1])
-                group = dist.distributed_c10d._resolve_process_group(name)
-                self.comm.record_tp(kind[0], t.numel() * t.element_size(), group.size())
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        kind = self.watched.get(func)
+        if kind is not None:
+            t = out if kind[1] else args[0]
+            name = kwargs.get("group_name", args[-1]) if kwargs else args[-1]
+            group = dist.distributed_c10d._resolve_process_group(name)
+            self.comm.record_tp(kind[0], t.numel() * t.element_size(), group.size())
         return out
 
 
