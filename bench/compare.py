@@ -41,7 +41,33 @@ DEEPSPEED = [f"deepspeed-{s}" for s in (1, 2, 3)]
 WARMUP = 3
 TARGETS = {"zeroshard-0": ["ddp"], "zeroshard-1": ["ddp+zero"],
            "zeroshard-2": ["fsdp2-noreshard", "deepspeed-2"],
-           "zeroshard-3": ["fsdp2-reshard", "deepspeed-3"]}
+           "zeroshard-3": ["fsdp2-reshard", "deepspeed-3"],
+           "zeroshard-3-tp2": ["fsdp2-tp2"]}
+#: tensor parallelism of degree 2 (the GPT's TP_PLAN, torch's styles) inside the pairs of
+#: consecutive ranks, the data-parallel implementation across them
+TP = 2
+
+
+def data_rows(impl: str, rank: int, world: int, batch: int) -> slice:
+    """This rank's rows of a global batch: by data-parallel rank, so the ranks of a
+    tensor-parallel pair (``-tp2``) read the same rows."""
+    if impl.endswith("-tp2"):
+        rank, world = rank // TP, world // TP
+    return slice(rank * batch // world, (rank + 1) * batch // world)
+
+
+def _tp_mesh(model):
+    """A (world / 2, 2) mesh named ("dp", "tp"), ``model`` parallelized on its tp dim."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zeroshard.models.gpt import GPT
+    from zeroshard.models.tp import parallelize
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, TP),
+                            mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"], GPT.TP_PLAN)
+    return mesh
 
 
 def _bytes(tensors) -> int:
@@ -144,6 +170,8 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
             options["shard_group"] = 2
         elif impl.endswith("-hpz2"):  # ZeRO++ hpZ: backward gathers in groups of 2
             options["secondary_group"] = 2
+        elif impl.endswith("-tp2"):  # beside tensor parallelism on a (dp, tp) mesh
+            options["mesh"] = _tp_mesh(model)
         net = zs.shard(model, stage=int(impl.split("-")[1]), **options)
         opt = make_optimizer(optimizer, net.named_parameters(), lr)
         if impl.endswith("-compile-units"):  # each unit's forward (torchtitan's way)
@@ -166,8 +194,10 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
     elif impl.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
-        reshard = impl in ("fsdp2-reshard", "fsdp2-hsdp2")
+        reshard = impl in ("fsdp2-reshard", "fsdp2-hsdp2", "fsdp2-tp2")
         mesh = None
+        if impl == "fsdp2-tp2":  # FSDP2 + TP (torchtitan's): fully_shard on the dp dim
+            mesh = _tp_mesh(model)["dp"]
         if impl == "fsdp2-hsdp2":  # HSDP: shard over 2, replicate across world / 2
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -178,9 +208,11 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         net, opt = model, make_optimizer(optimizer, model.named_parameters(), lr)
         comm = (3 if reshard else 2) * ring_one_way(4 * P, world)
-        if mesh is not None:  # inside the pairs: gathers and reduce-scatters; across:
-            # one all-reduce of each reduced half
+        if impl == "fsdp2-hsdp2":  # inside the pairs: gathers and reduce-scatters;
+            # across: one all-reduce of each reduced half
             comm = 3 * ring_one_way(4 * P, 2) + ring_all_reduce(2 * P, world // 2)
+        elif mesh is not None:  # its ZeRO-3 over the dp ranks, of about 1/tp (TP's own
+            comm = 3 * ring_one_way(4 * P // TP, world // TP)  # collectives left out)
     elif impl.startswith("deepspeed"):
         import deepspeed
 
@@ -220,7 +252,7 @@ def _rank(impl: str, preset: str, steps: int, batch: int, lr: float, ranks: int,
     torch.manual_seed(0)
     model = GPT(cfg)
     net, opt, engine, comm = build(impl, model, lr, batch, prefetch, optimizer=optimizer)
-    rows = slice(rank * batch // world, (rank + 1) * batch // world)
+    rows = data_rows(impl, rank, world, batch)
     if impl == "limit":  # one process standing in for one rank: its local micro-batch
         rows = slice(0, batch // ranks)
     times, loss, held = [], None, []

@@ -29,7 +29,15 @@ local shards. Members with different optimizers train different functions, and F
 Muon orthogonalises each rank's rows instead of each matrix: their losses are reported,
 not required to agree.
 
-Memory is not reported: two models share each process (``compare.py`` measures it).
+Memory: two models share each process, so a process's peak is not either's
+(``compare.py`` measures it); reported instead is each member's model state on rank 0 —
+the weights, gradients and optimizer state it holds, padding included — read between the
+last backward and its step, when all three are live (``compare._state``).
+
+Tensor parallelism: ``-tp2`` members run on a (N / 2, 2) mesh named ("dp", "tp"), the
+GPT parallelized with its ``TP_PLAN`` by torch's styles — zeroshard by ``zs.shard(...,
+mesh=)``, FSDP2 as torchtitan composes it (``fully_shard`` on the dp dim) — and read
+their rows by data-parallel rank; both members of such a pair must be ``-tp2``.
 DeepSpeed is left to ``compare.py`` too: its engine is built for one per process. Each
 pair runs in fresh processes; implementation names are ``compare.py``'s. A pair of one
 implementation with itself (``ddp:ddp``) checks the method: its ratio should be 1.
@@ -43,10 +51,10 @@ import random
 import statistics
 import time
 
-from compare import OPTIMIZERS, WARMUP, build
+from compare import OPTIMIZERS, WARMUP, _state, build, data_rows
 
 TARGETS = ["zeroshard-0:ddp", "zeroshard-1:ddp+zero", "zeroshard-2:fsdp2-noreshard",
-           "zeroshard-3:fsdp2-reshard"]
+           "zeroshard-3:fsdp2-reshard", "zeroshard-3-tp2:fsdp2-tp2"]
 #: relative loss difference past which a pair did not train the same function
 LOSS_TOL = 1e-6
 #: the same, for a pair with a compiled member: inductor's fused kernels (its GELU, layer
@@ -55,8 +63,9 @@ LOSS_TOL = 1e-6
 LOSS_TOL_COMPILED = 1e-4
 PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4)
              for x in ("", "-unchecked", "-nofingerprints", "-hybrid2", "-compile",
-                       "-compile-units")}
-            | {"ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard", "fsdp2-hsdp2"})
+                       "-compile-units", "-tp2")}
+            | {"ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard", "fsdp2-hsdp2",
+               "fsdp2-tp2"})
 
 
 def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
@@ -73,16 +82,22 @@ def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
     for member in pair:
         impl, optimizer = member.split("@")
         torch.manual_seed(0)  # the same initial weights for both
-        net, opt, _, _ = build(impl, GPT(cfg), lr, batch, reduce_bucket_size=bucket,
+        model = GPT(cfg)
+        net, opt, _, _ = build(impl, model, lr, batch, reduce_bucket_size=bucket,
                                optimizer=optimizer)
-        members.append((net, opt))
-    rows = slice(rank * batch // world, (rank + 1) * batch // world)
+        members.append((net, opt, model, impl))
+    rows = data_rows(pair[0].split("@")[0], rank, world, batch)
     times: list[list[float]] = [[], []]
     losses = [None, None]
+    state = [None, None]
     for step in range(steps):
         x, y = corpus.batch("train", 0, step, batch, cfg.block_size)
         for m in ((0, 1) if step % 2 == 0 else (1, 0)):
-            net, opt = members[m]
+            net, opt, model, impl = members[m]
+            if step == steps - 1:  # between backward and step: all three categories live
+                hook = opt.register_step_pre_hook(
+                    lambda o, a, k, m=m, net=net, model=model, impl=impl:
+                    state.__setitem__(m, _state(impl, net, model, o)))
             t0 = time.perf_counter()
             loss = net(x[rows], y[rows])
             loss.backward()
@@ -92,13 +107,16 @@ def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
                 net.synchronize()
             times[m].append(time.perf_counter() - t0)
             losses[m] = loss.detach()
+            if step == steps - 1:
+                hook.remove()
     finals = []
     for loss in losses:
         final = loss.double().reshape(1)
         dist.all_reduce(final)
         finals.append(final.item() / world)
     return {"times": [t[WARMUP:] for t in times], "loss": finals,
-            "owner": [_owner_bytes(net, m, steps) for (net, _), m in zip(members, pair)]}
+            "state": state,
+            "owner": [_owner_bytes(net, m, steps) for (net, *_), m in zip(members, pair)]}
 
 
 def _owner_bytes(net, member: str, steps: int) -> dict | None:
@@ -146,6 +164,9 @@ def _parse_pairs(text: str, optimizer: str = "adamw") -> list[tuple[str, str]]:
             raise ValueError(f"pair {item!r} must be two implementations 'A:B' "
                              f"from {sorted(PAIRABLE)}, each optionally '@' one of "
                              f"{', '.join(OPTIMIZERS)}")
+        if len({m.endswith("-tp2") for m in impls}) != 1:
+            raise ValueError(f"pair {item!r}: both members or neither must be -tp2 (they "
+                             "read their rows by data-parallel rank)")
         pairs.append((parts[0], parts[1]))
     return pairs
 
@@ -200,10 +221,12 @@ def main() -> None:
         results.append({"pair": name, "median_ms": [statistics.median(ta) * 1e3,
                                                     statistics.median(tb) * 1e3],
                         "ratio": mid, "ci95": [lo, hi], "loss": r["loss"], "steps": len(ta),
-                        "times_s": [ta, tb], "owner_bytes_per_step": r["owner"]})
+                        "state_bytes": r["state"], "times_s": [ta, tb],
+                        "owner_bytes_per_step": r["owner"]})
+        sa, sb = (f"{s / 1e6:.3f}" for s in r["state"])
         print(f"{name[0]:18} {statistics.median(ta) * 1e3:7.1f} ms  against {name[1]:22} "
               f"{statistics.median(tb) * 1e3:7.1f} ms  ratio {mid:.3f}x "
-              f"(95% {lo:.3f}-{hi:.3f}, {len(ta)} steps)  "
+              f"(95% {lo:.3f}-{hi:.3f}, {len(ta)} steps)  state {sa} / {sb} MB  "
               f"loss {la:.6f} / {lb:.6f}"
               f"{'' if same or not same_function(pair) else '  LOSSES DIFFER'}", flush=True)
         for member, owner in zip(name, r["owner"]):

@@ -16,7 +16,7 @@ from . import engine_cases as cases
 
 RANK = 4
 LR = 1e-3
-TARGETS = {"llama": ["q_proj", "v_proj"], "gpt": ["qkv"]}
+TARGETS = {"llama": ["q_proj", "v_proj"], "gpt": ["q", "v"]}
 
 
 def base(kind: str) -> nn.Module:

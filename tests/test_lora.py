@@ -1,6 +1,6 @@
 """LoRA at every stage with the default units, on real gloo processes at N = 2: peft
 adapters (r = 4) on a tiny Hugging Face Llama (q_proj, v_proj) and on the built-in GPT
-(qkv), 20 AdamW steps against torch DDP; the frozen base unchanged; memory equal to the
+(q, v), 20 AdamW steps against torch DDP; the frozen base unchanged; memory equal to the
 planner's ``--lora`` figures; peft's save_pretrained read back by its from_pretrained,
 merge_and_unload, adapters added or switched after sharding, modules_to_save, and a
 quantized base. The planner's LoRA counts are checked without processes."""

@@ -304,7 +304,8 @@ def test_recommend_offers_offload_only_when_nothing_else_fits():
     assert why.startswith("optimizer: nothing fits 72.00 GB on the device without it")
     assert f"{big.best.time.pcie:.3f} s on the compute path" in why
     assert f"host step takes {big.best.time.optimizer:.3f} s" in why
-    assert "DDP does not fit (needs 206.93 GB" in big.reasons["stage"]  # TP 8, on the device
+    # TP 8, on the device; the norms, which tensor parallelism leaves whole, on each GPU
+    assert "DDP does not fit (needs 206.96 GB" in big.reasons["stage"]
     small = recommend(ModelSpec.from_arch(get_preset("llama2-7b")), config(RECIPES["bf16"]),
                       8, 80 * 10**9, cluster, 64, 2048)
     assert small.best.offload is None and small.reasons["offload"].startswith("none")

@@ -17,8 +17,13 @@ from .spec.config import ZeroConfig
 
 
 def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None,
-          param_init=None, seed: int = 0, **options) -> ShardedModel:
+          param_init=None, seed: int = 0, mesh=None, **options) -> ShardedModel:
     """Shard ``model`` over the data-parallel group (default: the whole world).
+
+    ``mesh``: beside tensor parallelism, the ``DeviceMesh`` with dims ``("dp", "tp")`` (or
+    ``("dp_replicate", "dp_shard", "tp")`` for hybrid sharding) whose ``"tp"`` dim the
+    model was parallelized on (``torch.distributed.tensor.parallel.parallelize_module``):
+    each rank's local slices are sharded over its data-parallel dims.
 
     ``stage`` and ``options`` are :class:`ZeroConfig` fields (``mixed_precision``,
     ``units``, ``reduce_dtype``, ``param_persistence_threshold``, ...); they override
@@ -52,7 +57,7 @@ def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None
             options["stage"] = stage
         if options:
             base = ZeroConfig(**{**fields, **options})
-        sharded = ShardedModel(model, base, group, param_init, seed)
+        sharded = ShardedModel(model, base, group, param_init, seed, mesh)
         if base.profile:
             from .observe.profiler import Profiler
 

@@ -16,9 +16,10 @@ from .arguments import path_given, sharded_model
 from .exportdir import INDEX, SINGLE
 from .exportdir import check as check_out_dir
 from .exportdir import write as write_out_dir
-from .load import _agree, _pieces
+from .load import _agree
 from .sharded import entries, read_manifest, resolve, verify
 from .tensorfile import TensorFile, write_tensors
+from .tplayout import pieces, place, read_whole
 
 
 def export(ckpt_path: str | Path, out_dir: str | Path, dtype: str = "fp32",
@@ -56,11 +57,12 @@ def reader(ckpt_path, dtype: str):
             handles[fname] = TensorFile(str(ckpt / fname))
         return handles[fname]
 
-    def assemble(name, shape):
-        rows = shape[0] if shape else 1
-        parts = [opened(f).rows(name, fa, fb) for f, fa, fb, _, _ in
-                 _pieces(manifest, name, 0, rows)]
-        return torch.cat(parts).reshape(shape).to(out_dtype)
+    def assemble(name, shape):  # from every file's box ([Note: checkpoints across tp
+        full = torch.empty(shape or (1,), dtype=out_dtype)  # degrees] in tplayout.py)
+        want = {0: (0, full.shape[0])}
+        for f, fa, fb, have, common in pieces(manifest, name, want):
+            place(full, want, opened(f).rows(name, fa, fb), have, common)
+        return full.reshape(shape)
 
     def buffer(name):
         return opened(f"rank{0:05d}.safetensors").rows(f"{name}::buffer")
@@ -160,9 +162,9 @@ def load_pretrained(model, path: str | Path) -> None:
         for e, f in plan:
             a, b = e.held()
             if a < b:
-                e.local(a, b).copy_(f.rows(e.name, a, b).reshape(b - a, e.row))
+                e.local(a, b).copy_(read_whole(f, e.name, e, a, b))
         for name, buf in model.module.named_buffers():
             if name in wmap:
                 buf.copy_(TensorFile(str(wmap[name])).rows(name))
     model.refresh_compute()
-    dist.barrier(model.mesh.dp_group)
+    dist.barrier(model.mesh.control_group)

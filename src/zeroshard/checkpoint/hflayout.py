@@ -30,6 +30,7 @@ from .exportdir import INDEX, SINGLE
 from .load import _agree
 from .sharded import entries, read_manifest, resolve
 from .tensorfile import TensorFile, fsync_dir
+from .tplayout import read_whole
 
 #: The files of a model folder besides its weights that an export carries over: the
 #: config, the generation settings and the tokenizer in every form transformers writes.
@@ -173,12 +174,12 @@ def load_hf_weights(model, path: str | Path) -> None:
         for items in by_unit.values():
             for e, f, source in items:
                 a, b = e.held()
-                if a < b:
-                    e.local(a, b).copy_(f.rows(source, a, b).reshape(b - a, e.row))
+                if a < b:  # (this tp rank's slice beside tensor parallelism)
+                    e.local(a, b).copy_(read_whole(f, source, e, a, b))
         for buf, f, source in buffers:
             buf.copy_(f.rows(source))
     model.refresh_compute()
-    dist.barrier(model.mesh.dp_group)
+    dist.barrier(model.mesh.control_group)
 
 
 def trained_from(ckpt_path: str | Path) -> str | None:

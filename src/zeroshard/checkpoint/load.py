@@ -14,19 +14,14 @@ from .arguments import path_given, sharded_model
 from .optstate import optimizers
 from .sharded import entries, read_manifest, resolve, verify, verify_contents
 from .tensorfile import TensorFile
+from .tplayout import pieces, place, volume
 
 
 def _pieces(manifest: dict, name: str, a: int, b: int):
-    """(file, file rows [fa, fb), target rows [ta, tb)) covering full rows [a, b)."""
-    out = []
-    for fname, info in sorted(manifest["files"].items()):
-        rows = info["rows"].get(name)
-        if rows is None:
-            continue
-        lo, hi = max(a, rows[0]), min(b, rows[1])
-        if lo < hi:
-            out.append((fname, lo - rows[0], hi - rows[0], lo - a, hi - a))
-    return out
+    """(file, file rows [fa, fb), target rows [ta, tb)) covering full rows [a, b) of a
+    parameter tensor parallelism does not split (``export``'s reading)."""
+    return [(fname, fa, fb, common[0][0] - a, common[0][1] - a)
+            for fname, fa, fb, _, common in pieces(manifest, name, {0: (a, b)})]
 
 
 def check_model(manifest: dict, model, path: Path) -> None:
@@ -47,8 +42,8 @@ def check_model(manifest: dict, model, path: Path) -> None:
 
 def _agree(model, problem: str | None) -> None:
     """Every rank raises if any rank found a problem: nothing is half-applied."""
-    problems = [None] * model.mesh.dp_world
-    dist.all_gather_object(problems, problem, group=model.mesh.dp_group)
+    problems = [None] * model.mesh.control_world  # every rank of the mesh beside tp
+    dist.all_gather_object(problems, problem, group=model.mesh.control_group)
     first = next((p for p in problems if p), None)
     if first:
         raise ValueError(first)
@@ -57,10 +52,13 @@ def _agree(model, problem: str | None) -> None:
 def load(model, optimizer, path: str | Path) -> dict:
     """Load a checkpoint written by :func:`save` at any N and stage into ``model`` and
     ``optimizer`` (one, or the list saved); return its ``extra``. ``path`` is a
-    checkpoint or a directory with a ``latest`` pointer."""
+    checkpoint or a directory with a ``latest`` pointer. Any tensor-parallel degree loads
+    any other's ([Note: checkpoints across tp degrees] in ``tplayout.py``)."""
     sharded_model(model, "zs.load()")
     path_given(path, "zs.load()")
-    rank, world = model.mesh.shard_rank, model.mesh.shard_world  # (replicas read alike)
+    mesh = model.mesh
+    rank, world = mesh.shard_rank, mesh.shard_world  # (replicas read alike)
+    own_file = f"rank{mesh.tp_rank * world + rank:05d}.safetensors"
     problem, manifest, ckpt, plan = None, None, None, []
     try:
         ckpt = resolve(path)
@@ -68,15 +66,17 @@ def load(model, optimizer, path: str | Path) -> dict:
         check_model(manifest, model, ckpt)
         for e in entries(model):
             a, b = e.held()  # what this rank keeps: its shard, or whole weights
-            pieces = _pieces(manifest, e.name, a, b)
-            if sum(p[2] - p[1] for p in pieces) != b - a:
+            want = e.box(a, b)
+            found = pieces(manifest, e.name, want)
+            if sum(volume(p[4], e.shape) for p in found) != volume(want, e.shape):
                 raise ValueError(f"{ckpt}: rows {a}-{b} of {e.name!r} are in no file "
                                  "(a rank file is missing from the manifest)")
-            plan.append((e, a, b, pieces))
-        needed = {p[0] for _, _, _, pieces in plan for p in pieces}
+            plan.append((e, a, b, want, found))
+        needed = {p[0] for *_, found in plan for p in found}
         needed.add(f"rank{0:05d}.safetensors")  # buffers
-        if manifest["world"] == world:
-            needed.add(f"rank{rank:05d}.safetensors")  # this rank's RNG state
+        same = manifest["world"] == world and manifest.get("tp", 1) == mesh.tp_world
+        if same:
+            needed.add(own_file)  # this rank's RNG state
         problem = verify(ckpt, manifest, needed)
         if problem is None and optimizer is not None:
             problem = _check_groups(manifest, model, optimizer, ckpt)
@@ -87,7 +87,7 @@ def load(model, optimizer, path: str | Path) -> dict:
     except Exception as exc:  # noqa: BLE001 - any failure on one rank stops every rank
         problem = f"{ckpt or path}: {type(exc).__name__}: {exc}"
     _agree(model, problem)
-    _apply(model, optimizer, ckpt, manifest, plan, rank, world)
+    _apply(model, optimizer, ckpt, manifest, plan, own_file if same else None)
     for o in optimizers(optimizer):  # their state dicts speak DTensor from now on
         attach(model.stepper, o)
     return manifest["extra"]
@@ -134,7 +134,7 @@ def _check_groups(manifest, model, optimizer, ckpt) -> str | None:
     return None
 
 
-def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world: int) -> None:
+def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, own: str | None) -> None:
     handles = {}
 
     def opened(fname):
@@ -142,22 +142,42 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
             handles[fname] = TensorFile(str(ckpt / fname))
         return handles[fname]
 
+    def read(key: str, target: torch.Tensor, want, found) -> None:
+        for fname, fa, fb, have, common in found:
+            place(target, want, opened(fname).rows(key, fa, fb), have, common)
+
     with torch.no_grad():
-        for e, a, b, pieces in plan:
-            target = e.local(a, b)
-            for fname, fa, fb, ta, tb in pieces:
-                target[ta:tb].copy_(opened(fname).rows(e.name, fa, fb).reshape(tb - ta, e.row))
-            if optimizer is None or not e.trainable or not pieces:
+        for e, a, b, want, found in plan:
+            shape = (b - a, *e.local_shape[1:])
+            read(e.name, e.local(a, b).view(shape), want, found)
+            if optimizer is None or not e.trainable or not found:
                 continue  # (no pieces: this rank holds no rows of the parameter)
-            f = opened(pieces[0][0])
+            f = opened(found[0][0])
             whole = set(json.loads(f.metadata.get("whole", "[]")))
             state = {}
             for full_key in [k for k in f.keys() if k.startswith(e.name + "::")]:
                 key = full_key.split("::", 1)[1]
-                if not f.shape(full_key) or full_key in whole:  # a step count; a whole one
+                if not f.shape(full_key):  # a step count
                     state[key] = f.rows(full_key).to(e.shard.device)
                     continue
-                rows = [opened(fname).rows(full_key, fa, fb) for fname, fa, fb, _, _ in pieces]
+                per_element = (full_key not in whole
+                               and tuple(f.shape(full_key)[1:]) == tuple(shape[1:]))
+                if per_element:  # placed as the parameter's own rows, at any tp degree
+                    rows = torch.empty(shape, dtype=f.dtype(full_key))
+                    read(full_key, rows, want, found)
+                    state[key] = rows.reshape(e.shard.shape).to(e.shard.device)
+                    continue
+                if manifest.get("tp", 1) != model.mesh.tp_world:
+                    # a sum over a row's or a column's elements (Adafactor's statistics),
+                    # which another tp degree cuts differently: no rows of it are right
+                    raise ValueError(f"{ckpt}: optimizer state {key!r} of {e.name!r} is not "
+                                     "per element: it loads at the tp degree it was saved "
+                                     f"at ({manifest.get('tp', 1)}), not at "
+                                     f"{model.mesh.tp_world}")
+                if full_key in whole:  # alike on every rank of a tp rank's files
+                    state[key] = f.rows(full_key).to(e.shard.device)
+                    continue
+                rows = [opened(fname).rows(full_key, fa, fb) for fname, fa, fb, _, _ in found]
                 state[key] = torch.cat(rows).reshape(
                     e.count, *f.shape(full_key)[1:]).to(e.shard.device)
             if state:
@@ -173,7 +193,7 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, rank: int, world:
         f0 = opened(f"rank{0:05d}.safetensors")
         for name, buf in model.module.named_buffers():
             buf.copy_(f0.rows(f"{name}::buffer"))
-        own = opened(f"rank{rank:05d}.safetensors") if manifest["world"] == world else None
+        own = opened(own) if own is not None else None
         if own is not None and "__rng_state__" in own.header:  # (an import has none)
             torch.set_rng_state(own.rows("__rng_state__"))
     model.refresh_compute()

@@ -36,12 +36,15 @@ import torch.distributed as dist
 
 from ..runtime.step.optim_state import attach
 from ..runtime.unit.layout import dim0_chunk
+from ..runtime.unit.local import tp_dim
 from ..runtime.unit.readout import held_rows
 from .arguments import check_save, said
 from .foreign import refuse_foreign
 from .optstate import optimizers, state_layout, state_of
 from .sanity import check_manifest, pointed
-from .tensorfile import fsync_dir, sha256_file, write_tensors
+from .tensorfile import fsync_dir, write_tensors
+from .tplayout import box, local_shape
+from .verify import verify, verify_contents  # noqa: F401 (re-exported: load, inspect, export)
 
 FORMAT = "zeroshard-checkpoint"
 MANIFEST = "manifest.json"
@@ -59,28 +62,39 @@ def own_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
 
 
 class _Entry:
-    """One parameter of a sharded model, and where its rows live on this rank."""
+    """One parameter of a sharded model, and where its rows live on this rank: rows of its
+    local slice beside tensor parallelism ([Note: checkpoints across tp degrees])."""
 
     def __init__(self, name, unit, index):
         self.name, self.unit, self.index = name, unit, index
         self.shard = unit.shards[index]
-        self.shape = tuple(unit.params[index].shape)
-        self.rows = _rows(self.shape)
+        self.shape = tuple(unit.params[index].shape)  # the full shape
+        mesh = unit.comm.mesh
+        self.tp_dim, self.tp_rank, self.tp_world = tp_dim(unit.params[index]), \
+            mesh.tp_rank, mesh.tp_world
+        if self.tp_world == 1:
+            self.tp_dim = None
+        self.local_shape = local_shape(self.shape, self.tp_dim, self.tp_world)
+        self.rows = _rows(self.local_shape)
         self.trainable = index in unit.trainable
         # the optimizer-facing shard (the master), or a frozen parameter kept whole
         self.source, self.first = held_rows(unit, index)
         self.count = (self.source.shape[0] if self.source.dim() else 1)
         self.row = self.source.numel() // self.count if self.count else 0  # elements per row
         if not self.count:  # no rows here (fewer rows than ranks): the row size from the shape
-            self.row = unit.params[index].numel() // self.rows
+            self.row = max(1, torch.Size(self.local_shape).numel()) // self.rows
 
     def local(self, a: int, b: int) -> torch.Tensor:
         """This rank's view of full rows [a, b) (which it must hold), as [b - a, row]."""
         return self.source.detach().reshape(self.count, self.row)[a - self.first:b - self.first]
 
     def held(self) -> tuple[int, int]:
-        """Full rows whose values this rank holds."""
+        """Rows of the local slice whose values this rank holds."""
         return self.first, self.first + self.count
+
+    def box(self, a: int, b: int) -> dict[int, tuple]:
+        """The full tensor's ranges of local rows [a, b) (``tplayout.box``)."""
+        return box(self.shape or (1,), self.tp_dim, self.tp_rank, self.tp_world, a, b)
 
 
 def entries(model) -> list[_Entry]:
@@ -143,17 +157,22 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     and ``latest`` still naming the last complete checkpoint.
 
     Under hybrid sharding the ranks of the first shard group write (rows by their place
-    in the group, K files); the replica groups hold the same rows and write nothing."""
+    in the group, K files); the replica groups hold the same rows and write nothing.
+    Beside tensor parallelism every tp rank's first shard group writes (T·K files,
+    [Note: checkpoints across tp degrees]), a parameter every tp rank holds whole by tp
+    rank 0 only."""
     check_save(model, optimizer, path, extra)  # extra agreed by every rank: JSON, or refused
-    rank, world = model.mesh.shard_rank, model.mesh.shard_world
-    writer = model.mesh.replica_rank == 0
+    mesh = model.mesh
+    rank, world = mesh.shard_rank, mesh.shard_world
+    writer = mesh.replica_rank == 0
     for o in optimizers(optimizer):  # their state dicts speak DTensor from now on
         attach(model.stepper, o)
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     model.synchronize()
     problem = None
-    if model.mesh.dp_rank == 0:
+    first = _first(model)
+    if first:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
@@ -164,12 +183,12 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     try:
         files = _write_rows(model, optimizer, partial, rank, world) if writer else None
     except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
-        problem = f"rank {model.mesh.dp_rank}: {said(exc, partial)}"
+        problem = f"rank {dist.get_rank()}: {said(exc, partial)}"
     _agree_saved(model, problem, partial)
-    every = [None] * model.mesh.dp_world
-    dist.all_gather_object(every, files, group=model.mesh.dp_group)
+    every = [None] * mesh.control_world
+    dist.all_gather_object(every, files, group=mesh.control_group)
     problem = None
-    if model.mesh.dp_rank == 0:
+    if first:
         try:
             _publish(model, optimizer, path, partial, [f for f in every if f], extra or {})
         except Exception as exc:  # noqa: BLE001 - one rank's error reaches every rank at once
@@ -178,14 +197,21 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     return path
 
 
+def _first(model) -> bool:
+    """Whether this rank is the first of the ranks that save and load together: the
+    data-parallel ones, or every rank of the mesh beside tensor parallelism (the control
+    group's, [Note: tensor-parallel mesh] in ``runtime/mesh.py``)."""
+    return dist.get_rank(model.mesh.control_group) == 0
+
+
 def _agree_saved(model, problem: str | None, partial: Path) -> None:
     """Every rank learns whether any rank failed; if so the ``.partial`` folder goes
     and every rank raises the same :class:`SaveFailed`."""
-    problems = [None] * model.mesh.dp_world
-    dist.all_gather_object(problems, problem, group=model.mesh.dp_group)
+    problems = [None] * model.mesh.control_world
+    dist.all_gather_object(problems, problem, group=model.mesh.control_group)
     first = next((p for p in problems if p), None)
     if first:
-        if model.mesh.dp_rank == 0:
+        if _first(model):
             shutil.rmtree(partial, ignore_errors=True)
         raise SaveFailed(f"checkpoint not saved: {first}; the last complete checkpoint "
                          "beside it is untouched")
@@ -196,13 +222,15 @@ def _write_rows(model, optimizer, partial: Path, rank: int, world: int) -> dict:
     its optimizer state, its RNG state, and (rank 0) the buffers."""
     plan, rows, whole = [], {}, []
     opts = optimizers(optimizer)
+    tp_rank = model.mesh.tp_rank
     for e in entries(model):
         a, b = own_rows(e.rows, rank, world)
-        if a == b:
+        if a == b or (tp_rank and e.tp_dim is None):  # whole on every tp rank: tp rank 0's
             continue
         rows[e.name] = [a, b]
-        plan.append((e.name, (b - a, *e.shape[1:]), e.source.dtype,
-                     lambda e=e, a=a, b=b: e.local(a, b).reshape(b - a, *e.shape[1:])))
+        shape = (b - a, *e.local_shape[1:])
+        plan.append((e.name, shape, e.source.dtype,
+                     lambda e=e, a=a, b=b, shape=shape: e.local(a, b).reshape(shape)))
         owner, state = state_of(opts, e.shard)
         for key, value in state.items():
             layout = state_layout(owner, key, value, e)
@@ -218,13 +246,13 @@ def _write_rows(model, optimizer, partial: Path, rank: int, world: int) -> dict:
                 plan.append((f"{e.name}::{key}", (), t.dtype, lambda t=t: t))
     rng = torch.get_rng_state()
     plan.append(("__rng_state__", tuple(rng.shape), rng.dtype, lambda: rng))
-    if rank == 0:
+    if rank == 0 and tp_rank == 0:
         for name, buf in model.module.named_buffers():
             plan.append((f"{name}::buffer", tuple(buf.shape), buf.dtype, lambda b=buf: b))
-    fname = f"rank{rank:05d}.safetensors"
+    fname = f"rank{tp_rank * world + rank:05d}.safetensors"
     sha, size = write_tensors(str(partial / fname), plan,
                               {"rows": json.dumps(rows), "whole": json.dumps(whole)})
-    return {"file": fname, "sha256": sha, "bytes": size, "rows": rows}
+    return {"file": fname, "sha256": sha, "bytes": size, "rows": rows, "tp_rank": tp_rank}
 
 
 def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
@@ -237,9 +265,12 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         groups.append({**hyper, "params": [names[id(p)] for p in g["params"]]})
     manifest = {
         "format": FORMAT, "version": 1, "world": model.mesh.shard_world,
+        "tp": model.mesh.tp_world,
         "stage": model.zero_config.stage, "recipe": model.zero_config.recipe.name,
         "params": {e.name: {"shape": list(e.shape), "dtype": str(e.source.dtype)[6:],
-                            "trainable": e.trainable} for e in entries(model)},
+                            "trainable": e.trainable,
+                            **({"tp": {"dim": e.tp_dim}} if e.tp_dim is not None else {})}
+                   for e in entries(model)},
         "buffers": {n: list(b.shape) for n, b in model.module.named_buffers()},
         # buffers a module registered with persistent=False (rotary tables): resumed with
         # the rest, but no part of a state dict, so not of an export
@@ -249,7 +280,8 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
         # several optimizers: their classes in order, their groups one after another
         "optimizer": None if not opts else {
             "class": "+".join(type(o).__name__ for o in opts), "param_groups": groups},
-        "files": {f["file"]: {k: f[k] for k in ("sha256", "bytes", "rows")} for f in files},
+        "files": {f["file"]: {k: f[k] for k in ("sha256", "bytes", "rows", "tp_rank")}
+                  for f in files},
         "extra": extra,
     }
     move_in(partial, path, manifest)
@@ -286,38 +318,3 @@ def move_in(partial: Path, path: Path, manifest: dict) -> None:
     else:
         os.replace(partial, path)
     fsync_dir(str(path.parent))
-
-
-def verify_contents(ckpt: Path, manifest: dict, fname: str) -> str | None:
-    """The first tensor the manifest places in ``fname`` that the file's header lacks or
-    shapes otherwise (a checksum says the bytes are the ones written, not that they are
-    what the manifest describes), or None."""
-    from .tensorfile import TensorFile
-
-    try:
-        f = TensorFile(str(ckpt / fname))
-    except ValueError as exc:
-        return str(exc)
-    for name, (a, b) in manifest["files"][fname]["rows"].items():
-        want = (b - a, *manifest["params"][name]["shape"][1:])
-        if name not in f.header:
-            return f"{ckpt / fname}: no tensor {name!r}, which its manifest lists"
-        if f.shape(name) != want:
-            return f"{ckpt / fname}: {name!r} has shape {f.shape(name)}, its manifest {want}"
-    return None
-
-
-def verify(ckpt: Path, manifest: dict, needed: set[str]) -> str | None:
-    """The first problem with the files in ``needed``, or None."""
-    for fname in sorted(needed):
-        info = manifest["files"].get(fname)
-        p = ckpt / fname
-        if info is None:
-            return f"{p}: not listed in the manifest"
-        if not p.exists():
-            return f"{p}: missing"
-        if p.stat().st_size != info["bytes"]:
-            return f"{p}: {p.stat().st_size} bytes, the manifest says {info['bytes']} (truncated?)"
-        if sha256_file(str(p)) != info["sha256"]:
-            return f"{p}: checksum mismatch (corrupted)"
-    return None

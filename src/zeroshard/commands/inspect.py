@@ -19,7 +19,11 @@ def run(args) -> int:
     m = read_manifest(ckpt)
     params = sum(_numel(p["shape"]) for p in m["params"].values())
     console = Console(highlight=False, width=max(Console().width, 120))
-    console.print(f"{ckpt}: step {m['extra'].get('step', '?')}, N = {m['world']}, ZeRO stage "
+    tp = m.get("tp", 1)  # tensor parallelism: T x N files, split tensors by tp rank
+    split = sum("tp" in p for p in m["params"].values())
+    tp_text = f", TP {tp} ({split} tensors split)" if tp > 1 else ""
+    console.print(f"{ckpt}: step {m['extra'].get('step', '?')}, N = {m['world']}{tp_text}, "
+                  f"ZeRO stage "
                   f"{m['stage']}, recipe {m['recipe']}, {params:,} parameters in "
                   f"{len(m['params'])} tensors")
     t = Table(title="files", title_justify="left")

@@ -153,6 +153,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {d.max_skipped})")
     p.add_argument("--keep-last", type=int, metavar="K",
                    help="keep only the K checkpoints saved last in --save-dir (default: all)")
+    # tensor parallelism
+    p.add_argument("--tp", type=int, metavar="K",
+                   help="tensor-parallel degree: each layer split over K consecutive "
+                        "processes with torch's own styles (the built-in GPT's plan, or the "
+                        "one transformers ships for --hf-model), ZeRO over the N / K "
+                        f"data-parallel ones (default {d.tp})")
     p.add_argument("--config", metavar="FILE", help="JSON settings or a DeepSpeed config")
     p.add_argument("--debug", action="store_true",
                    help=f"a failing rank's full traceback and the launcher's report, not "

@@ -1,6 +1,12 @@
 """A small GPT: token and position embeddings, pre-norm blocks of causal self-attention
 and an MLP, a final norm, and an output head tied to the token embedding (nanoGPT's
-shape, so its parameter groups and unit boundaries are the familiar ones)."""
+shape, so its parameter groups and unit boundaries are the familiar ones).
+
+The query, key and value projections are three linears, as in torchtitan's and
+Llama's attention: tensor parallelism (:attr:`GPT.TP_PLAN`) cuts each on its output
+rows, which gives a tp rank whole heads; a fused ``[3h, h]`` projection cut the same way
+would give the first rank the queries and part of the keys. The three draw their
+initial weights from the stream one fused weight would have, in the same order."""
 
 from __future__ import annotations
 
@@ -65,7 +71,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads = c.heads
         self.ln1 = nn.LayerNorm(c.hidden)
-        self.qkv = nn.Linear(c.hidden, 3 * c.hidden)
+        self.q = nn.Linear(c.hidden, c.hidden)
+        self.k = nn.Linear(c.hidden, c.hidden)
+        self.v = nn.Linear(c.hidden, c.hidden)
         self.proj = nn.Linear(c.hidden, c.hidden)
         self.ln2 = nn.LayerNorm(c.hidden)
         self.fc = nn.Linear(c.hidden, 4 * c.hidden)
@@ -74,17 +82,26 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
-        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = self.ln1(x)
+        # -1 heads: under tensor parallelism this rank's heads (TP_PLAN)
+        q, k, v = (z(a).view(b, t, -1, h // self.heads).transpose(1, 2)
+                   for z in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
     """Decoder-only transformer; ``forward(idx, targets=None)`` returns logits, or the
     mean cross-entropy when targets are given."""
+
+    TP_PLAN = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise",
+               "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
+    """Tensor parallelism (``models/tp.py``; Megatron-LM's split, Shoeybi et al., 2019):
+    q, k, v and the MLP's first linear cut on their output rows (whole heads per tp
+    rank), the attention's and the MLP's output projections on their input columns and
+    summed; embeddings, norms and the tied head stay whole on every tp rank."""
 
     def __init__(self, c: GPTConfig):
         super().__init__()

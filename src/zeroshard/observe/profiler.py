@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.events import KINDS
+from ..runtime.unit.local import local
 from ..runtime.unit.state import UnitState
 
 __all__ = ["KINDS", "Event", "Profiler"]
@@ -82,13 +83,16 @@ class Profiler:
 
     # -- activations: saved-tensor hooks ------------------------------------------------
     def _param_storages(self) -> set[int]:
-        # the full parameters (not what the module shows: a released unit shows DTensors)
-        return {p.untyped_storage().data_ptr() for u in self.model.units for p in u.params}
+        # the full parameters (not what the module shows: a released unit shows DTensors);
+        # a tensor-parallel one's values are its local tensor's
+        return {local(p).untyped_storage().data_ptr() for u in self.model.units
+                for p in u.params}
 
     def pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
+        storage = local(t).untyped_storage()  # (autograd saves DTensors beside TP)
+        key = storage.data_ptr()
         if key and key not in self._param_storages():
-            entry = self._saved.setdefault(key, [0, t.untyped_storage().nbytes()])
+            entry = self._saved.setdefault(key, [0, storage.nbytes()])
             if entry[0] == 0:
                 self.activation_bytes += entry[1]
             entry[0] += 1

@@ -18,7 +18,9 @@ weight shards' offload at stage 3.
 
 Tensor parallelism of degree tp (``ParallelDims.tp``; Shoeybi et al., 2019) splits every
 layer's matrices over tp GPUs, and ZeRO shards what each holds over the data-parallel
-degree ``gpus / tp``. Hybrid sharding (``ParallelDims.shard`` K; ``comm.py``): memory is
+degree ``gpus / tp``; with the architecture known, what its plan leaves whole (norms,
+row-parallel biases, the GPT's embeddings) is held whole on every tp GPU (``tp.py``).
+Hybrid sharding (``ParallelDims.shard`` K; ``comm.py``): memory is
 the plain figure at K ranks (floor 16P/K at stage 3) and the bytes split into two
 levels. ZeRO++: hpZ keeps K/K2 of every unit's slots from its forward to its backward
 (``StrategyPlan.secondary``, counted in ``total``) and moves the backward's gathers to
@@ -49,6 +51,7 @@ from .layout import check_layout
 from .offload import Placement, placed_bytes
 from .optimizer import model_shapes, optimizer_comm
 from .state import model_state_bytes  # noqa: F401 - re-exported
+from .tp import tp_counted, tp_unit_counts
 from .workload import (  # noqa: F401 - re-exported: the activation model
     Workload,
     activation_bytes,
@@ -178,13 +181,15 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
     of :func:`unit_sizes` at ``blocks_per_unit``."""
     check_layout(dims, config)
     work = work or Workload()
+    params = tp_counted(model, dims.tp)  # the split ones and, on every tp GPU, the whole
     shapes = model_shapes(model) if config.recipe.shaped_state else None
-    placed = placed_bytes(model.params, dims, config, shapes, model.trainable)
-    units = unit_sizes(model, blocks_per_unit) if uses_zeropp(config) else None
-    levels = comm_bytes_by_level(model.params, dims, config, units, model.trainable)
+    placed = placed_bytes(params, dims, config, shapes, model.trainable)
+    units = (tp_unit_counts(model, dims.tp, unit_sizes(model, blocks_per_unit))
+             if uses_zeropp(config) else None)
+    levels = comm_bytes_by_level(params, dims, config, units, model.trainable)
     # the optimizer's own exchanges (Muon's owner computes, Adafactor's sums): inside
     levels["inside"] += optimizer_comm(model_shapes(model), dims, config)
-    kept = sum(secondary_bytes(model.params, dims, config, units))
+    kept = sum(secondary_bytes(params, dims, config, units))
     recipe, device = config.recipe, placed.device
     return StrategyPlan(
         STRATEGIES[config.stage], device.weights, device.grads, device.optimizer,

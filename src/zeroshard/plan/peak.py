@@ -74,6 +74,7 @@ from .memory import unit_sizes
 from .offload import Placement, placed_bytes
 from .optimizer import model_shapes
 from .state import owned
+from .tp import tp_counted, tp_unit_counts, tp_units
 from .workload import Workload, activation_saved
 
 #: How the optimizer's temporaries are counted: all owned elements, none, one parameter.
@@ -214,11 +215,8 @@ class Peak:
 
 
 def unit_params(model: ModelSpec, blocks_per_unit: int, tp: int = 1) -> tuple[int, int]:
-    """(root unit, largest block unit) parameters on one GPU of ``tp``."""
-    if model.layers is None:
-        return ceil_div(model.params, tp), ceil_div(model.params, tp)
-    blocks = min(blocks_per_unit, model.layers)
-    return (ceil_div(model.root_params, tp), ceil_div(blocks * model.block_params, tp))
+    """(root unit, largest block unit) parameters on one GPU of ``tp`` (``tp.py``)."""
+    return tp_units(model, tp, blocks_per_unit)
 
 
 def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workload,
@@ -236,7 +234,8 @@ def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workloa
                          f"{', '.join(OPTIMIZER_IMPLS)}")
     check_layout(dims, config)
     policy, recipe, tp, k = config.policy, config.recipe, dims.tp, dims.shard_size
-    placed = placed_bytes(model.params, dims, config,
+    params = tp_counted(model, tp)  # the split ones and, on every tp GPU, the whole
+    placed = placed_bytes(params, dims, config,
                           model_shapes(model) if config.recipe.shaped_state else None)
     device = placed.device
     saved = activation_saved(model, recipe, work, tp)
@@ -254,7 +253,7 @@ def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workloa
         gathered = (root + prefetch * block) * recipe.weight_bytes
         if params_on_host:  # each gather's input copied up from the host first
             gathered += ceil_div(root + prefetch * block, k) * recipe.weight_bytes
-    mine = owned(model.params, dims, policy)
+    mine = owned(params, dims, policy)
     state = recipe.optimizer_bytes - recipe.master_bytes  # bytes per element of the moments
     per_state = state // recipe.optimizer_states if recipe.optimizer_states else 0
     largest = ceil_div(max(root, block), k if policy.shards_optimizer else 1)
@@ -268,7 +267,8 @@ def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workloa
     during = 0
     if micro_batches > 1:  # stage 1's reduced slot lives from one backward to the next
         during = device.grads + (mine * recipe.grad_bytes if policy.keeps_local_grads else 0)
-    kept = secondary_bytes(model.params, dims, config, unit_sizes(model, blocks_per_unit))
+    kept = secondary_bytes(params, dims, config,
+                           tp_unit_counts(model, tp, unit_sizes(model, blocks_per_unit)))
     walk = _backward(model, policy, recipe, saved, k, prefetch, blocks_per_unit, tp,
                      micro_batches > 1, params_on_host, kept)
     forward_saved = saved.blocks + saved.head if saved else 0
@@ -287,10 +287,10 @@ def _backward(model: ModelSpec, policy: ShardPolicy, recipe: Recipe, saved, k: i
     per_unit = min(max(1, blocks_per_unit), layers)
     units = ceil_div(layers, per_unit)
     arch = model.arch
-    unit = ceil_div(per_unit * model.block_params, tp) if model.layers else ceil_div(
-        model.params, tp)
-    root = ceil_div(arch.root_params, tp) if arch else 0
-    head = ceil_div(arch.vocab * arch.hidden, tp) if arch else 0
+    root, unit = tp_units(model, tp, per_unit)
+    root = root if arch else 0
+    head = (arch.vocab * arch.hidden if arch.family == "gpt" else  # whole under its plan
+            ceil_div(arch.vocab * arch.hidden, tp)) if arch else 0
     norm = arch.hidden * (2 if arch.norm_bias else 1) if arch else 0
     block_saved = ceil_div(saved.blocks * per_unit, layers) if saved else 0
     secondary_root = kept[0] if kept and arch else 0

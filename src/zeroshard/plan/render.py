@@ -83,8 +83,9 @@ def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> No
     if plans[0].activations is None:
         line("activations: not modelled (give --hidden and --layers)")
     if plans[0].tp > 1:
-        line(f"TP all-reduces: {_fmt(plans[0].tp_comm, unit)} {u} per GPU per micro-batch "
-             "(beside the comm column)")
+        line(f"TP collectives (its all-reduces, and a vocabulary-parallel head's all-gather): "
+             f"{_fmt(plans[0].tp_comm, unit)} {u} per GPU per micro-batch, the ledger's 'tp' "
+             "level (beside the comm column)")
 
 
 def offload_lines(plans, moved, shown, gpus_per_node, unit, gib) -> None:

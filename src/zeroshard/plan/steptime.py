@@ -90,6 +90,7 @@ from .layout import check_layout, secondary
 from .memory import STRATEGIES
 from .offload import disk_seconds, host_step_bytes, master_bytes
 from .simulate import _land, _Link, _pass, _sync
+from .tp import tp_layer_collectives, tp_params, tp_root_bytes
 from .workload import Workload
 
 #: Micro-batches simulated before the steady-state increment is repeated.
@@ -195,17 +196,23 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     layers_per_unit = model.layers / units
     seq = work.seq_len or work.tokens
     fwd = train_flops_per_token(model, seq, False) / 3 * work.tokens / tp / rate
-    # TP: 2 all-reduces per layer in forward, 2 in backward, 2 more for a recompute
-    tp_ar = ring_time("all_reduce", work.tokens * model.hidden * recipe.activation_bytes, tp,
-                      cluster.link(tp))
-    f_unit = fwd / units + 2 * layers_per_unit * tp_ar
+    # TP (plan/tp.py), on the intra-node link of its tp GPUs: r all-reduces per layer in
+    # forward, c in backward, r more for a recompute; the root's beside the passes
+    r, c = tp_layer_collectives(model)
+    b_act = recipe.activation_bytes
+    tp_ar = ring_time("all_reduce", work.tokens * model.hidden * b_act, tp, cluster.link(tp))
+    tp_root = 0.0 if tp_root_bytes(model, b_act, work.tokens, tp) == 0 else (
+        2 * tp_ar + ring_time("all_gather", work.tokens * model.arch.vocab * b_act, tp,
+                              cluster.link(tp)))
+    f_unit = fwd / units + r * layers_per_unit * tp_ar
     # the recomputed share of a forward (every k-th block), charged at recompute_charge
     ckpt = 1 / work.checkpoint_every if work.checkpointing else 0
     recompute = ckpt * acc.recompute_charge
-    b_unit = (2 + recompute) * fwd / units + (2 + 2 * ckpt) * layers_per_unit * tp_ar
+    b_unit = (2 + recompute) * fwd / units + (c + r * ckpt) * layers_per_unit * tp_ar
 
     link = cluster.link(dp * tp)  # the shard group's K·tp consecutive GPUs
-    unit_params = model.params / tp / units
+    local_params = tp_params(model, tp)  # what the plan splits, and the rest whole
+    unit_params = local_params / units
     gloo = cluster.network.gloo
     off = policy.offloads_optimizer
     params_on_host = policy.where("params") == "host"
@@ -253,7 +260,8 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     shift = extra * (ends[-1] - ends[-2]) if extra > 0 else 0.0
     t += shift
 
-    owned_params = model.params / tp / (dp if policy.shards_optimizer else 1)
+    t += schedule.micro_batches * tp_root  # the embedding's and the head's
+    owned_params = local_params / (dp if policy.shards_optimizer else 1)
     disk = disk_wait = 0.0
     if off:  # the host step, the node's host memory shared by its GPUs
         per_element = host_step_bytes(recipe) / cluster.host_bandwidth()
@@ -273,7 +281,7 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
         t += units * back  # the updated shards up into the device's weight shards
     a = schedule.micro_batches
     compute = a * (1 + 2 + recompute) * fwd
-    tp_comm = a * model.layers * (4 + 2 * ckpt) * tp_ar
+    tp_comm = a * (model.layers * (r + c + r * ckpt) * tp_ar + tp_root)
     copies = cost.per_step(units, a) / bw
     gathers = units * (gather + gather_back) if policy.shards_params else 0.0
     comm = a * (gathers + units * (reduce + across)) + post

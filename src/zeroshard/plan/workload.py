@@ -31,6 +31,7 @@ from ..spec.formulas import ring_all_reduce
 from ..spec.recipes import Recipe
 from .activations import Saved, family_saved, korthikanti_saved
 from .arch import ModelSpec
+from .tp import tp_layer_collectives, tp_root_bytes
 
 
 @dataclass(frozen=True)
@@ -97,12 +98,17 @@ def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
 
 
 def tp_comm_bytes(model: ModelSpec, recipe: Recipe, work: Workload, tp: int) -> int:
-    """Bytes one GPU sends per micro-batch in TP's activation all-reduces: 4 per layer
-    (6 with checkpointing's recomputed forward) of ``tokens·h`` elements over ``tp``."""
+    """Bytes one GPU sends per micro-batch in TP's activation collectives (``plan/tp.py``):
+    per layer r all-reduces of ``tokens·h`` elements in forward and c in backward (a
+    bare count: Megatron-LM's 2 and 2), r more for a checkpointed block's recomputed
+    forward, and the root's (a vocabulary-parallel embedding and output head)."""
     if tp == 1:
         return 0
     if model.hidden is None or model.layers is None:
         raise ValueError("tensor parallelism needs the model's shape: give --hidden and --layers")
-    per_layer = 6 if work.checkpointing else 4
-    t = work.tokens * model.hidden * recipe.activation_bytes
-    return model.layers * per_layer * ring_all_reduce(t, tp)
+    r, c = tp_layer_collectives(model)
+    recomputed = model.layers // work.checkpoint_every if work.checkpointing else 0
+    b = recipe.activation_bytes
+    one = ring_all_reduce(work.tokens * model.hidden * b, tp)
+    return ((model.layers * (r + c) + recomputed * r) * one
+            + tp_root_bytes(model, b, work.tokens, tp))

@@ -21,6 +21,19 @@ made from these groups, not new ones (``DeviceMesh.from_group``): a 1-D mesh nam
 ``("replicate", "shard")`` mesh of FSDP2's HSDP, rows the shard groups. A shard is then
 exactly a DTensor ``Shard(0)`` on the ``"shard"`` dim (``unit/dtensor.py``), which is
 what lets ``torch.distributed.checkpoint`` and FSDP2 read and reshard its state dicts.
+
+[Note: tensor-parallel mesh] Beside tensor parallelism (``zs.shard(..., mesh=)``) the
+user's ``DeviceMesh`` is the layout: ``("dp", "tp")``, or ``("dp_replicate", "dp_shard",
+"tp")`` for hybrid sharding (torchtitan's names). torch's ``parallelize_module`` put the
+model's DTensors on its ``"tp"`` dim; the data-parallel group is the ranks of this
+rank's tp coordinate (the ``"dp"`` dim, or ``dp_replicate × dp_shard`` flattened, K
+= ``dp_shard``'s size), over which ZeRO shards each rank's local slice ([Note:
+tensor-parallel parameters] in ``unit/local.py``). The tp group is the mesh's own, for
+counting the tensor-parallel collectives DTensor issues (``comm/tpcount.py``) and for
+what must hold across the tp ranks: the global norm, the non-finite verdict. The
+control group then spans every rank of the mesh, so the fingerprints and agreements
+(``comm/watch.py``) stop all tp ranks alike, and :attr:`Mesh.device_mesh` is the user's
+mesh, on which a parameter's rows are a DTensor with a placement per dim.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ import torch.distributed as dist
 
 from ..spec.dims import ParallelDims
 from .dist import default_device
+from .tpmesh import from_device_mesh
 
 
 @dataclass(frozen=True)
@@ -76,19 +90,34 @@ class Mesh:
     """The data-parallel group's timeout (None: torch's default)."""
     gloo: bool
     """The data-parallel group runs on gloo (the engine's in-place collectives)."""
+    tp_group: object = None
+    """The tensor-parallel group (None without tensor parallelism)."""
+    tp_rank: int = 0
+    tp_world: int = 1
+    control_world: int = 0
+    """Ranks of ``control_group``: the data-parallel ranks, or every rank of the mesh
+    with tensor parallelism ([Note: tensor-parallel mesh])."""
+    user_mesh: object = None
+    """The ``DeviceMesh`` given to ``zs.shard(..., mesh=)`` (None: none was)."""
 
     @classmethod
-    def build(cls, group, shard_group=None, secondary_group=None) -> Mesh:
+    def build(cls, group, shard_group=None, secondary_group=None, mesh=None) -> Mesh:
         """Every group of a model sharded over ``group`` as ``ZeroConfig.shard_group`` and
-        ``secondary_group`` ask. A collective of the whole world: every rank creates every
+        ``secondary_group`` ask, or over the data-parallel dims of ``mesh`` ([Note:
+        tensor-parallel mesh]). A collective of the whole world: every rank creates every
         group, in one order."""
+        tp = {}
+        if mesh is not None:
+            group, shard_group, tp = from_device_mesh(mesh, group, shard_group)
         dp_world = dist.get_world_size(group)
-        dims = ParallelDims(dp_world, shard=shard_size(shard_group, dp_world),
-                            secondary=secondary_group)
-        g = _make_groups(group, dims.shard_size, dims.secondary_size)
+        tp_world = tp.get("tp_world", 1)
+        dims = ParallelDims(dp_world * tp_world, tp_world,
+                            shard=shard_size(shard_group, dp_world), secondary=secondary_group)
+        everyone = tuple(mesh.mesh.flatten().tolist()) if tp_world > 1 else None
+        g = _make_groups(group, dims.shard_size, dims.secondary_size, everyone)
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         timeout = timeout_of(group)
-        return cls(dims=dims, **g, global_rank=dist.get_rank(),
+        return cls(dims=dims, **g, **tp, user_mesh=mesh, global_rank=dist.get_rank(),
                    global_ranks=tuple(dist.get_process_group_ranks(group) if group is not None
                                       else range(dp_world)),
                    group_name=dist.distributed_c10d._get_process_group_name(pg),
@@ -101,6 +130,8 @@ class Mesh:
         first use from the existing groups (no collective, no new group)."""
         from torch.distributed.device_mesh import DeviceMesh
 
+        if self.user_mesh is not None:
+            return self.user_mesh
         device = default_device().type
         shard = self.shard_group
         if shard is None:  # the world
@@ -130,9 +161,10 @@ def shard_size(spec, dp_world: int) -> int | None:
     return spec
 
 
-def _make_groups(group, k: int, k2: int | None) -> dict:
+def _make_groups(group, k: int, k2: int | None, everyone: tuple | None = None) -> dict:
     """The groups of shard groups of ``k`` (and, with hpZ, secondary groups of ``k2``
-    inside each), with this rank's coordinates in each, as :class:`Mesh`'s fields."""
+    inside each), with this rank's coordinates in each, as :class:`Mesh`'s fields;
+    ``everyone``: the ranks the control group spans, when not the data-parallel ones."""
     world = dist.get_world_size()
     dp_rank, dp_world = dist.get_rank(group), dist.get_world_size(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
@@ -144,7 +176,8 @@ def _make_groups(group, k: int, k2: int | None) -> dict:
     backend = str(dist.get_backend(group))
     host = backend in ("gloo", "nccl")  # the fake test backend has no gloo beside it
     wanted = [("shard", s) for s in shards if r > 1] + [("replica", p) for p in replicas]
-    wanted += [("reduce", s) for s in shards] + ([("control", tuple(ranks))] if host else [])
+    control = everyone or tuple(ranks)
+    wanted += [("reduce", s) for s in shards] + ([("control", control)] if host else [])
     seconds = [s[j:j + k2] for s in shards for j in range(0, k, k2)] if k2 else []
     wanted += [("secondary", s) for s in seconds if len(s) < dp_world]
     mine_second = next((s for s in seconds if ranks[dp_rank] in s), None)
@@ -159,7 +192,8 @@ def _make_groups(group, k: int, k2: int | None) -> dict:
         secondary_group=(None if mine_second is None else group
                          if len(mine_second) == dp_world else made[("secondary", mine_second)]),
         secondary_rank=dp_rank % k2 if k2 else 0, secondary_world=k2 or 0,
-        control_group=made[("control", tuple(ranks))] if host else group)
+        control_group=made[("control", control)] if host else group,
+        control_world=len(control) if host else dp_world)
 
 
 def _create_everywhere(wanted: list[tuple[str, tuple]], timeout, full: bool) -> dict:

@@ -28,7 +28,8 @@ ROLES: dict[str, tuple[str, ...]] = {
     "c_attn": ("qkv",), "c_proj": ("o", "down"), "c_fc": ("up",),
     "query_key_value": ("qkv",), "dense": ("o",), "dense_h_to_4h": ("up",),
     "dense_4h_to_h": ("down",),
-    "qkv": ("qkv",), "proj": ("o",), "fc": ("up",), "out": ("down",),
+    "qkv": ("qkv",), "q": ("q",), "k": ("k",), "v": ("v",), "proj": ("o",), "fc": ("up",),
+    "out": ("down",),
 }
 
 #: What LoRA adapts by default, by the planner's architecture family (peft's defaults).
@@ -36,9 +37,9 @@ DEFAULT_ROLES: dict[str, tuple[str, ...]] = {
     "llama": ("q", "v"), "gemma2": ("q", "v"), "gpt": ("qkv",), "neox": ("qkv",),
 }
 
-#: The built-in GPT's module names for the default projections (its fused ``qkv``, as
-#: GPT-2's ``c_attn``).
-BUILTIN_TARGETS = ("qkv",)
+#: The built-in GPT's module names for the default projections (its separate ``q`` and
+#: ``v``, as peft's default for Llama's ``q_proj`` and ``v_proj``).
+BUILTIN_TARGETS = ("q", "v")
 
 #: peft's ``LoraConfig`` defaults for the scale's numerator and the dropout.
 DEFAULT_ALPHA = 8.0

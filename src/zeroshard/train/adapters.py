@@ -26,6 +26,10 @@ def check_adapters(cfg) -> None:
     if cfg.compile is not None and not cfg.compile:
         raise ValueError(f"compile={cfg.compile!r} must name a torch.compile backend, such "
                          "as inductor or aot_eager")
+    if cfg.lora is not None and cfg.tp > 1:
+        raise ValueError(f"lora={cfg.lora} with tp={cfg.tp}: peft's adapters wrap the layers "
+                         "tensor parallelism splits, and their own weights have no tp plan; "
+                         "give one of them")
     if cfg.lora is None:
         if cfg.lora_targets is not None:
             raise ValueError(f"lora_targets={cfg.lora_targets!r} needs lora, the adapters' "

@@ -64,7 +64,7 @@ def check_values(cfg) -> None:
     """Every value of ``cfg`` (types first) against what a run can use."""
     check_types(cfg)
     for name in ("nproc", "steps", "batch", "lr", "eval_every", "eval_batches", "timeout",
-                 "max_skipped"):
+                 "max_skipped", "tp"):
         _positive(cfg, name)
     for name in ("micro_batch", "clip", "warmup", "save_every", "keep_last", "seq_len"):
         _positive(cfg, name, allow_none=True)

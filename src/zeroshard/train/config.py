@@ -135,6 +135,14 @@ class TrainConfig:
     compile: str | None = None
     """torch.compile each unit's forward with this backend ("inductor"); None: eager."""
 
+    # -- tensor parallelism ---------------------------------------------------------------
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matrices split over ``tp`` consecutive ranks
+    (a node's) with torch's own styles — the built-in GPT's plan (``GPT.TP_PLAN``), or
+    the one transformers ships for ``hf_model`` — and ZeRO over the ``N / tp``
+    data-parallel ranks (``zs.shard(..., mesh=)``). It must divide the processes, the
+    heads and the widths it splits."""
+
     def __post_init__(self) -> None:
         check_values(self)
         check_adapters(self)
@@ -155,9 +163,16 @@ class TrainConfig:
         object.__setattr__(self, "zero", zero)
 
     def accumulation(self, world: int) -> tuple[int, int]:
-        """(micro-batch per process, micro-batches per step) at ``world`` processes."""
+        """(micro-batch per process, micro-batches per step) at ``world`` processes; with
+        ``tp`` > 1 per data-parallel rank, of which there are ``world / tp`` (the ranks of
+        a tensor-parallel group share their micro-batches)."""
+        if world % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide the {processes(world)}; expected "
+                             f"one of {[d for d in range(1, world + 1) if world % d == 0]}")
+        world //= self.tp
         if self.batch % world:
-            raise ValueError(f"batch={self.batch} does not divide over {processes(world)}")
+            raise ValueError(f"batch={self.batch} does not divide over {processes(world)}"
+                             + (" (data-parallel ranks)" if self.tp > 1 else ""))
         per_rank = self.batch // world
         micro = self.micro_batch or per_rank
         if per_rank % micro:

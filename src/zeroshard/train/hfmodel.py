@@ -65,7 +65,12 @@ class BuiltinGPT:
         model = GPT(self.gpt_cfg)
         if self.cfg.lora:
             model = with_adapters(model, self.cfg, builtin=True)
-        return shard(model, config=self.cfg.zero)
+        return _sharded(model, self.cfg, GPT.TP_PLAN, self.label, self.tp_sizes)
+
+    def tp_sizes(self) -> dict[str, int]:
+        """What tensor parallelism splits (``GPT.TP_PLAN``): the heads and the widths."""
+        c = self.gpt_cfg
+        return {"heads": c.heads, "hidden size": c.hidden, "MLP width": 4 * c.hidden}
 
     def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return model(x, y)
@@ -124,15 +129,29 @@ class HFCausalLM:
         weights replace them next, so they are not read)."""
         from ..checkpoint.hflayout import load_hf_weights
         from ..models.hf import build_meta
+        from ..models.tp import hf_plan
 
         module, init = build_meta(self.cfg.hf_model), _zeros
         if self.cfg.lora:  # peft's adapters, initialised as peft does (train/adapters.py)
             module = with_adapters(module, self.cfg, builtin=False)
             init = adapter_init(module, _zeros)
-        model = shard(module, config=self.cfg.zero, param_init=init, seed=self.cfg.seed)
+        plan = hf_plan(module) if self.cfg.tp > 1 else {}
+        model = _sharded(module, self.cfg, plan, self.info.architecture, self.tp_sizes,
+                         param_init=init, seed=self.cfg.seed)
         if load_weights:
             load_hf_weights(model, self.cfg.hf_model)
         return model
+
+    def tp_sizes(self) -> dict[str, int]:
+        """What transformers' plan splits: the heads, the key/value heads, the MLP width
+        and the vocabulary (its embedding and head are vocabulary-parallel)."""
+        from ..models.hf import load_config
+
+        config = load_config(self.cfg.hf_model)
+        heads = config.num_attention_heads
+        return {"attention heads": heads,
+                "key/value heads": getattr(config, "num_key_value_heads", None) or heads,
+                "MLP width": getattr(config, "intermediate_size", 0), "vocabulary": self.vocab}
 
     def loss(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         from ..models.hf import lm_loss
@@ -172,6 +191,20 @@ class HFCausalLM:
         from ..plan.hfconfig import from_hf_config
 
         return from_hf_config(Path(self.cfg.hf_model) / "config.json")
+
+
+def _sharded(model, cfg: TrainConfig, plan: dict, label: str, sizes, **options):
+    """``model`` sharded as ``cfg`` says; with ``cfg.tp`` > 1 first parallelized by
+    ``plan`` with torch's styles over the ``"tp"`` dim of a ``(dp, tp)`` mesh, every size
+    it splits (``sizes()``) checked to divide by tp (``models/tp.py``)."""
+    if cfg.tp == 1:
+        return shard(model, config=cfg.zero, **options)
+    from ..models.tp import check_degree, device_mesh, parallelize
+
+    check_degree(cfg.tp, label, sizes())
+    mesh = device_mesh(cfg.tp, cfg.zero.shard_group)
+    parallelize(model, mesh["tp"], plan)
+    return shard(model, config=cfg.zero, mesh=mesh, **options)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

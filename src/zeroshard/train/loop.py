@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .._paths import folder
 from ..runtime.dist import default_device, init_distributed
 from ..runtime.step.scaler import GradScaler
+from ..runtime.unit.local import local
 from .adapters import compile_units, trainable_count
 from .board import Board
 from .config import TrainConfig
@@ -84,7 +85,7 @@ def set_up(cfg: TrainConfig) -> Run:
     reporter (the header printed) and the JSON log."""
     rank, world = init_distributed(timeout_s=cfg.timeout)
     device = default_device()  # batches are made on the host, the same on every rank
-    micro, accum = cfg.accumulation(world)
+    micro, accum = cfg.accumulation(world)  # per data-parallel rank beside TP
     for name in ("save_dir", "profile"):  # under torchrun no launcher checked them
         if getattr(cfg, name):
             folder(name, getattr(cfg, name))
@@ -104,8 +105,9 @@ def set_up(cfg: TrainConfig) -> Run:
     scaler = (GradScaler.from_deepspeed(model, {"fp16": cfg.loss_scaler})
               if fp16 and cfg.loss_scaler is not None else GradScaler(model, enabled=fp16))
     corpus = open_source(cfg, source.vocab, source.seq_len, rank)
-    unit_params = [sum(p.numel() for p in u.params) for u in model.units]
-    out = Reporter(cfg, world, micro, accum, sum(unit_params), enabled=rank == 0,
+    # per unit, what one rank holds times tp (plan/tp.py's count; the parameters at tp = 1)
+    unit_params = [cfg.tp * sum(local(p).numel() for p in u.params) for u in model.units]
+    out = Reporter(cfg, world, micro, accum, source.params(), enabled=rank == 0,
                    label=source.label, origin=source.source)
     out.trainable = trainable_count(model)  # --lora: the adapters alone train
     log = (open(cfg.json_log, "a" if checkpoint or restarted() else "w", encoding="utf-8")
@@ -144,9 +146,23 @@ def finish(run: Run) -> dict:
         profile_report(model, cfg, run.source, run.micro, run.seq_len, run.rank, run.out)
     memories = [None] * run.world
     dist.all_gather_object(memories, run.held[0] if run.held else model.memory(run.optimizer))
-    run.out.summary(memories, run.comm, model.zero_config, layout(model), run.unit_params)
+    run.out.summary(memories, run.comm, model.zero_config, layout(model), run.unit_params,
+                    _tp_planned(run))
     if cfg.sample_chars:
         model.eval()
         run.out.sample(run.source.sample(model, run.device))
     return {"losses": run.losses, "evals": run.evals, "first_val": run.first_eval,
             "memory": memories[run.rank], "loss_scale": run.scaler.get_scale()}
+
+
+def _tp_planned(run: Run) -> int:
+    """Tensor parallelism's own bytes per step as the planner counts them (``plan/tp.py``:
+    the plan's activation collectives), for the summary beside the ledger's."""
+    if run.cfg.tp == 1:
+        return 0
+    from ..plan.arch import ModelSpec
+    from ..plan.workload import Workload, tp_comm_bytes
+
+    work = Workload(run.micro * run.seq_len, run.seq_len, checkpointing=False)
+    return run.accum * tp_comm_bytes(ModelSpec.from_arch(run.source.architecture()),
+                                     run.model.zero_config.recipe, work, run.cfg.tp)

@@ -103,6 +103,10 @@ def check(cfg: TrainConfig, source=None):
     from .hfmodel import model_source
 
     source = source or model_source(cfg)
+    if cfg.tp > 1:  # the heads and widths the plan splits (the ranks check again)
+        from ..models.tp import check_degree
+
+        check_degree(cfg.tp, source.label, source.tp_sizes())
     shapes = source.shapes()
     if cfg.hf_model and cfg.sample_chars:
         source.tokenizer()

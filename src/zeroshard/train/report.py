@@ -70,13 +70,15 @@ class Reporter:
             return
         c, z = self.cfg, self.cfg.zero
         units = "model" if z.units is None else z.units
+        tp = f", TP {c.tp} (ZeRO over {self.world // c.tp})" if c.tp > 1 else ""
         self.console.print(
             f"zeroshard train: {self.label} ({self.params:,} params{self._trained()})"
             f"{self.origin}, "
-            f"{processes(self.world)}, "
+            f"{processes(self.world)}{tp}, "
             f"ZeRO stage {z.stage}, {z.mixed_precision or 'fp32'}, units={units}; global "
             f"batch {c.batch} = "
-            f"{self.world} x {self.micro} x {self.accum} micro-batch(es), {c.steps} steps")
+            f"{self.world // c.tp} x {self.micro} x {self.accum} micro-batch(es), "
+            f"{c.steps} steps")
 
     def start(self, val_loss: float, first_step: int = 0) -> None:
         if not self.enabled:
@@ -125,21 +127,25 @@ class Reporter:
             self.progress.stop()
 
     def summary(self, memories: list[dict], comm: dict, config: ZeroConfig,
-                dims: ParallelDims, units: list[int] | None = None) -> None:
+                dims: ParallelDims, units: list[int] | None = None,
+                tp_planned: int = 0) -> None:
         """Memory per rank and traffic per step, measured beside planned for ``config``
         (the engine's) on ``dims`` (its layout: :func:`layout`); ``units``: each unit's
-        elements (hpZ and quantized slots are planned per unit). The planned categories
+        elements (hpZ and quantized slots are planned per unit; beside tensor
+        parallelism tp × a rank's, ``plan/tp.py``'s count). The planned categories
         hold every placement, as the ledger's do (an offloaded optimizer's host master
-        included)."""
+        included); ``tp_planned``: tensor parallelism's own bytes per step, planned."""
         if not self.enabled:
             return
         recipe = config.recipe
-        weights, grads, optimizer = model_state_bytes(self.params, dims, config,
+        params = sum(units) if units else self.params  # tp x a rank's beside TP (plan/tp.py)
+        weights, grads, optimizer = model_state_bytes(params, dims, config,
                                                       trainable=self.trainable)
         hybrid = f", shard groups of {dims.shard_size}" if dims.replicas > 1 else ""
+        hybrid += f", TP {dims.tp}" if dims.tp > 1 else ""
         offload = f", offload {config.offload}" if config.offload else ""
         t = Table(title=f"memory per rank (MB): measured by the ledger / planned "
-                        f"({recipe.name}, stage {config.stage}, N = {self.world}{hybrid}"
+                        f"({recipe.name}, stage {config.stage}, N = {dims.dp}{hybrid}"
                         f"{offload})", title_justify="left")
         for col in ("rank", "params", "grads", "optimizer", "padding", "gathered", "buffers"):
             t.add_column(col, justify="right")
@@ -149,7 +155,8 @@ class Reporter:
                       *(f"{m[k] / MB:.3f}" for k in ("padding", "gathered", "buffers")))
         self.console.print(t)
         steps = max(1, self.steps_done)
-        planned = planned_comm(self.params, dims, config, self.accum, units, self.trainable)
+        planned = planned_comm(params, dims, config, self.accum, units,
+                               self.trainable) + tp_planned
         t = Table(title="communication per step, rank 0 (MB sent, ring accounting)",
                   title_justify="left")
         for col in ("collective", "calls/step", "MB/step"):

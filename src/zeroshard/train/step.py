@@ -19,6 +19,13 @@ def global_mean(value: torch.Tensor, world: int) -> float:
     return t.item() / world
 
 
+def _rows(run: Run, batch: int) -> slice:
+    """This rank's rows of a global batch of ``batch`` sequences: by data-parallel rank,
+    so the ranks of a tensor-parallel group read the same rows."""
+    rank, world = run.model.mesh.dp_rank, run.model.mesh.dp_world
+    return slice(rank * batch // world, (rank + 1) * batch // world)
+
+
 def evaluate(run: Run, split: str) -> float:
     """Mean loss over ``eval_batches`` fixed global batches of ``split``, each rank
     reading its rows."""
@@ -28,7 +35,7 @@ def evaluate(run: Run, split: str) -> float:
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     with torch.no_grad():
         for k in range(cfg.eval_batches):
-            rows = slice(run.rank * cfg.batch // run.world, (run.rank + 1) * cfg.batch // run.world)
+            rows = _rows(run, cfg.batch)
             x, y = run.corpus.batch(split, cfg.seed + 7919, k, cfg.batch, run.seq_len, part=rows)
             total += run.source.loss(model, x.to(run.device), y.to(run.device)).double()
     model.train(was_training)
@@ -85,7 +92,7 @@ def _micro_batches(run: Run, step: int) -> torch.Tensor:
     """Forward and backward over this rank's rows of step ``step``'s global batch, one
     micro-batch at a time (gradients accumulate); their summed loss."""
     cfg, device, micro, accum = run.cfg, run.device, run.micro, run.accum
-    base = run.rank * cfg.batch // run.world
+    base = _rows(run, cfg.batch).start
     x, y = run.corpus.batch("train", cfg.seed, step, cfg.batch, run.seq_len,
                             part=slice(base, base + micro * accum))
     step_loss = torch.zeros((), device=device)

@@ -14,6 +14,7 @@ from ..comm.collectives import Collectives
 from ..comm.context import CommContext
 from ..dist import default_device
 from ..events import Events
+from ..unit.local import local, tp_dim
 from ..unit.unit import Unit
 
 
@@ -57,21 +58,30 @@ def _options(module: nn.Module, config) -> dict[str, str]:
     return {f.name: text(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
 
 
-def _broadcast_flat(tensors: list[torch.Tensor], comm: Collectives) -> None:
+def _broadcast_flat(tensors: list[torch.Tensor], comm: Collectives, tp: bool = False) -> None:
     """Rank 0's values of ``tensors`` everywhere: one flat broadcast per dtype, the dtypes
-    in one order on every rank (a set's order differs between processes)."""
+    in one order on every rank (a set's order differs between processes); with ``tp``,
+    tp rank 0's to the tp group."""
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch._utils._flatten_dense_tensors(group)
-        comm.broadcast(flat, src=0)
+        comm.broadcast(flat, src=0, tp=tp)
         for t, v in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
             t.copy_(v)
 
 
 def broadcast_state(module: nn.Module, comm: Collectives) -> None:
-    """Rank 0's parameters and buffers everywhere."""
-    _broadcast_flat([t.data for t in [*module.parameters(), *module.buffers()]
-                     if not t.is_meta], comm)
+    """Rank 0's parameters and buffers everywhere: beside tensor parallelism each tp
+    rank's local slices over its data-parallel group, and what every tp rank holds
+    whole (plain tensors, ``Replicate()`` DTensors) first from tp rank 0, as DTensor's
+    ``distribute_tensor`` takes a replicated tensor from mesh coordinate 0."""
+    tensors = [local(t).data for t in [*module.parameters(), *module.buffers()]
+               if not t.is_meta]
+    if comm.mesh.tp_world > 1:
+        whole = [local(t).data for t in [*module.parameters(), *module.buffers()]
+                 if not t.is_meta and tp_dim(t) is None]
+        _broadcast_flat(whole, comm, tp=True)
+    _broadcast_flat(tensors, comm)
 
 
 def broadcast_buffers(module: nn.Module, comm: Collectives) -> None:

@@ -48,8 +48,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 class Collectives:
     """A model's process groups (``mesh.py``) and every collective it issues on them,
-    recorded in the ledger by kind and level: ``"inside"`` a shard group, or
-    ``"across"`` shard groups (hybrid sharding's replica all-reduce)."""
+    recorded in the ledger by kind and level: ``"inside"`` a shard group,
+    ``"across"`` shard groups (hybrid sharding's replica all-reduce), or ``"tp"`` (the
+    tensor-parallel group: the engine's own sums there, and the collectives DTensor
+    issues inside the model, counted by ``tpcount.py``)."""
 
     def __init__(self, ledger: Ledger, mesh: Mesh, check: bool = True,
                  quantize_weights: bool = False, quantize_grads: bool = False,
@@ -84,9 +86,9 @@ class Collectives:
         numel = t.numel() if numel is None else numel
         mine, rows, fp_work = watch.fingerprint(self, kind, unit, numel, value), None, None
         if self.check or call is None:
-            rows = torch.empty(self.mesh.dp_world, watch.WIDTH, dtype=torch.int64)
-            self.ledger.record("check", rows.numel() * rows.element_size(), self.mesh.dp_world,
-                               "control")
+            n = self.mesh.control_world  # every rank of the mesh beside tensor parallelism
+            rows = torch.empty(n, watch.WIDTH, dtype=torch.int64)
+            self.ledger.record("check", rows.numel() * rows.element_size(), n, "control")
             fp_work = _all_gather(rows.view(-1), mine, group=self.mesh.control_group, async_op=True)
         ticket = _Ticket(self, call() if call is not None else None, mine, fp_work, rows, rec)
         if not async_op:
@@ -95,10 +97,17 @@ class Collectives:
         return ticket
 
     def all_reduce(self, t: torch.Tensor, *, op=dist.ReduceOp.SUM, grads: bool = False,
-                   async_op: bool = False, unit=None):
+                   async_op: bool = False, unit=None, tp: bool = False):
         """Reduce ``t`` in place (a sum unless ``op`` says otherwise) over the shard group:
         what every rank's shards add up to. With ``grads``, over the whole data-parallel
-        group (every rank's gradients): on the reduction group, then across replicas."""
+        group (every rank's gradients): on the reduction group, then across replicas.
+        With ``tp``, over the tensor-parallel group (level ``"tp"``): what every tp
+        rank's slices add up to."""
+        if tp:
+            group = self.mesh.tp_group
+            return self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
+                t, op=op, group=group, async_op=True), async_op, world=self.mesh.tp_world,
+                level="tp")
         group = self.mesh.reduce_group if grads else self.mesh.shard_group
         inside = self._issue("all_reduce", t, unit, lambda: dist.all_reduce(
             t, op=op, group=group, async_op=True), True)
@@ -176,6 +185,22 @@ class Collectives:
         return self._issue("all_gather", out, unit, call, async_op, world=k,
                            level="secondary" if secondary else "inside")
 
+    def gather_tp(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every tp rank's ``t`` (slices of one size), concatenated on ``dim`` in tp rank
+        order: a tensor-parallel parameter whole again."""
+        out = torch.empty(self.mesh.tp_world * t.numel(), dtype=t.dtype, device=t.device)
+        inp = t.contiguous().view(-1)
+        self._issue("all_gather", out, None, lambda: _all_gather(
+            out, inp, group=self.mesh.tp_group, async_op=True), False,
+            world=self.mesh.tp_world, level="tp")
+        return torch.cat(out.view(self.mesh.tp_world, *t.shape).unbind(0), dim=dim)
+
+    def record_tp(self, kind: str, nbytes: int, world: int) -> None:
+        """A collective DTensor issued for tensor parallelism, over ``world`` ranks, in
+        the ledger's ``"tp"`` level ([Note: counting tensor-parallel collectives] in
+        ``tpcount.py``)."""
+        self.ledger.record(kind, nbytes, world, "tp")
+
     def agree(self, value: int):
         """Start gathering every rank's ``value`` (one small all-gather on the host, with
         its fingerprint); the returned function waits for it and returns them in rank
@@ -201,13 +226,15 @@ class Collectives:
     def _on_gloo(self, t: torch.Tensor) -> bool:
         return self.mesh.gloo and t.device.type == "cpu" and self.mesh.shard_world > 1
 
-    def broadcast(self, t: torch.Tensor, src: int = 0):
-        """Copy rank ``src``'s ``t`` to every rank."""
-        group = self.mesh.dp_group
+    def broadcast(self, t: torch.Tensor, src: int = 0, tp: bool = False):
+        """Copy rank ``src``'s ``t`` to every data-parallel rank (with ``tp``: tp rank
+        ``src``'s to every tp rank)."""
+        group, world = ((self.mesh.tp_group, self.mesh.tp_world) if tp else
+                        (self.mesh.dp_group, self.mesh.dp_world))
         root = dist.get_global_rank(group, src) if group is not None else src
         return self._issue("broadcast", t, None, lambda: dist.broadcast(
-            t, src=root, group=group, async_op=True), False, world=self.mesh.dp_world)
-
+            t, src=root, group=group, async_op=True), False, world=world,
+            level="tp" if tp else "inside")
 
 
 class _Then:

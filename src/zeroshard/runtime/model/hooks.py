@@ -83,6 +83,8 @@ class PassHooks:
         m = self.model
         m.stepper.settle()  # shards no optimizer stepped since the last backward
         m.comm.phase = "forward"
+        if m.tp_counter is not None:  # on until the step ([Note: counting tensor-parallel
+            m.tp_counter.start()      # collectives] in comm/tpcount.py)
         for u in m.units:
             u.wait_sync()
         if torch.is_grad_enabled() and m.cycle.state is CycleState.FINAL:
@@ -102,6 +104,8 @@ class PassHooks:
             return
         self.model.prefetcher.end_pass("forward")
         tensors = _needing_grad(out)
+        if not tensors and self.model.tp_counter is not None:
+            self.model.tp_counter.stop()  # no backward follows
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda grads: self._on_backward_begin(), mode="any")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..build.construct import broadcast_buffers
+from ..unit.local import tp_dim
 from ..unit.readout import disk_bytes, full_tensors, host_bytes, measure
 from .dtensor import owners
 
@@ -22,6 +23,10 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     values = {}
     for u in model.units:
         values.update(full_tensors(u))
+        for i, p in enumerate(u.params):  # tensor parallelism's slices, whole
+            d = tp_dim(p)
+            if d is not None and model.mesh.tp_world > 1:
+                values[u.names[i]] = model.comm.gather_tp(values[u.names[i]], d)
     by_id = owners(model)  # full parameters, and the DTensors released units show
     out = {}
     for key, t in model.module.state_dict(keep_vars=True).items():

@@ -35,6 +35,7 @@ from ..build.materialize import Materializer, has_meta
 from ..build.units import select_units
 from ..comm.collectives import Collectives
 from ..comm.context import CommContext
+from ..comm.tpcount import TPCounter
 from ..dist import default_device
 from ..events import Events
 from ..ledger import Ledger
@@ -44,6 +45,7 @@ from ..schedule.prefetch import Prefetcher
 from ..step.cycle import StepCycle
 from ..step.optim import register_for_step_hooks
 from ..step.stepping import Stepper
+from ..tpmesh import check_mesh, check_tp_params
 from . import adapters, dtensor, readout
 from .guard import ModuleGuard
 from .hooks import PassHooks
@@ -56,7 +58,7 @@ class ShardedModel(nn.Module):
     names, shaped ``[rows owned, *shape[1:]]``."""
 
     def __init__(self, module: nn.Module, config: ZeroConfig, group=None, param_init=None,
-                 seed: int = 0):
+                 seed: int = 0, mesh=None):
         super().__init__()
         if not dist.is_initialized():
             raise ValueError("no process group: call zs.init_distributed() before zs.shard()")
@@ -80,7 +82,10 @@ class ShardedModel(nn.Module):
         # meta tensors stay where they are: units materialize them one at a time
         module._apply(lambda t: t if t.is_meta else t.to(device))
         check_same_model(module, config)
-        self.mesh = Mesh.build(group, config.shard_group, config.secondary_group)
+        if mesh is not None:
+            check_mesh(mesh)
+        check_tp_params(module, mesh)
+        self.mesh = Mesh.build(group, config.shard_group, config.secondary_group, mesh)
         """Every process group, rank and size of this model (``runtime/mesh.py``)."""
         self.comm = Collectives(self.ledger, self.mesh, check=config.check_collectives,
                                 quantize_weights=config.quantize_weights,
@@ -106,6 +111,10 @@ class ShardedModel(nn.Module):
         self.prefetcher = Prefetcher(config.prefetch, config.prefetch_bucket_size)
         self.stepper = Stepper(self.units, self.comm, self.reducer, self.cycle, self.policy,
                                config, self.events, self._named_shards)
+        self.tp_counter = TPCounter(self.comm) if self.mesh.tp_world > 1 else None
+        """Counts tensor parallelism's collectives for the ledger (``comm/tpcount.py``)."""
+        if self.tp_counter is not None:
+            self.events.subscribe(self.tp_counter)
         self.profiler = None
         """The profiler, when ``zs.shard(..., profile=True)`` attached one."""
         self.hooks = PassHooks(self)

@@ -2,7 +2,10 @@
 
 Each rank sums ``|g|^p`` over the rows it owns and one all-reduce adds the partial
 sums (the source documents' "all-reduce of local sums of squares"), so every rank
-applies the same factor; a per-rank norm would scale each slice differently.
+applies the same factor; a per-rank norm would scale each slice differently. Beside
+tensor parallelism a second all-reduce adds the tp ranks' sums, a parameter every tp
+rank holds whole counted on one of them (``unit/readout.norm_grads``): torch's own
+``clip_grad_norm_`` refuses FSDP2 + TP's parameters, which sit on two meshes.
 """
 
 from __future__ import annotations
@@ -37,12 +40,17 @@ def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
              if u.shards[i].grad is not None]
     local = (torch.stack(parts).to(units[0].device) if parts else  # (offload: from the host)
              torch.zeros(1, dtype=torch.float64, device=units[0].device))
+    tp = comm.mesh.tp_world > 1  # then the tp ranks' slices too, a replicated one once
     if norm_type == float("inf"):
         total = local.max()
         comm.all_reduce(total, op=dist.ReduceOp.MAX)
+        if tp:
+            comm.all_reduce(total, op=dist.ReduceOp.MAX, tp=True)
     else:
         total = local.pow(norm_type).sum()
         comm.all_reduce(total)
+        if tp:
+            comm.all_reduce(total, tp=True)
         total = total.pow(1.0 / norm_type)
     total = total.to(torch.float32)
     if error_if_nonfinite and not torch.isfinite(total):  # the same total on every rank

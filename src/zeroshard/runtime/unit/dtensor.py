@@ -14,6 +14,15 @@ a DTensor, with no copy and no collective:
 - ``Replicate()`` on hybrid sharding's ``"replicate"`` dim: the replica groups hold the
   same rows (``mesh.py``, [Note: hybrid sharding]).
 
+Beside tensor parallelism the mesh is the user's (``("dp", "tp")`` or ``("dp_replicate",
+"dp_shard", "tp")``; [Note: tensor-parallel mesh] in ``mesh.py``) and a parameter's
+placements gain its tp placement last; the data-parallel placement then cuts its local
+slice. Where tensor parallelism split dim 0 too (a column-parallel weight), rows of the
+local slice are not rows of the full tensor in order: the tp rank's block is cut on the
+dp dim, which DTensor writes ``_StridedShard(0, split_factor=tp)``, FSDP2's own placement
+for the same layout (``_init_sharding_spec_tp`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``).
+
 A 0-d parameter counts as one row of one, as in the layout: its DTensor has shape
 ``(1,)``, since a scalar cannot be chunked (``fully_shard`` refuses scalar parameters
 and asks for exactly this shape). hpZ's secondary copies are transient, kept from a
@@ -25,7 +34,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from .local import tp_dim, tp_placement
 from .readout import held_rows
 
 
@@ -34,11 +45,19 @@ def rows_shape(shape) -> tuple[int, ...]:
     return tuple(shape) if len(shape) else (1,)
 
 
+
 def placements(unit, i: int) -> tuple:
     """Placements of parameter ``i``'s rows on ``unit.comm.mesh.device_mesh``."""
+    mesh = unit.comm.mesh
     sharded = unit.world > 1 and (i in unit.trainable or unit.w_shard is not None)
     inner = Shard(0) if sharded else Replicate()
-    return (inner,) if unit.comm.mesh.replica_world == 1 else (Replicate(), inner)
+    if mesh.user_mesh is None:
+        return (inner,) if mesh.replica_world == 1 else (Replicate(), inner)
+    p = unit.params[i]
+    if sharded and tp_dim(p) == 0 and mesh.tp_world > 1:
+        inner = _StridedShard(0, split_factor=mesh.tp_world)
+    dp = (inner,) if mesh.user_mesh.ndim == 2 else (Replicate(), inner)
+    return (*dp, tp_placement(p))
 
 
 def held(unit, i: int) -> tuple[torch.Tensor, int]:
@@ -102,10 +121,18 @@ def local_rows(unit, i: int, value, what: str, trailing: tuple | None = None) ->
         value = value.full_tensor()
     value = torch.as_tensor(value)
     if tuple(value.shape) in (full, rows_shape(full)):
-        return value.reshape(rows_shape(full))[first:first + count]
+        value = tp_slice(unit, i, value.reshape(rows_shape(full)))
+        return value[first:first + count]
     if value.shape == target.shape:
         return value
     raise ValueError(_shape_error(what, f"has shape {tuple(value.shape)}", full, target, first))
+
+
+def tp_slice(unit, i: int, full: torch.Tensor) -> torch.Tensor:
+    """This tp rank's slice of parameter ``i``'s full value (all of it where tensor
+    parallelism does not split the parameter): DTensor's even split of its tp dim."""
+    d, mesh = tp_dim(unit.params[i]), unit.comm.mesh
+    return full if d is None else full.chunk(mesh.tp_world, dim=d)[mesh.tp_rank]
 
 
 def _same_layout(value: DTensor, unit, i: int) -> bool:

@@ -16,6 +16,7 @@ import torch
 from ...spec.policy import FullGrads
 from ..ledger import CATEGORIES, optimizer_state_bytes, tensor_bytes
 from .layout import dim0_chunk
+from .local import local, local_grad, tp_dim
 from .state import UnitState
 
 
@@ -23,25 +24,30 @@ def held_rows(unit, i: int) -> tuple[torch.Tensor, int]:
     """The tensor this rank reads and writes parameter ``i``'s values through, and the
     first full row it holds: the optimizer-facing shard (rows of the dim-0 chunk
     ``dim0_chunk(rows, rank, world)``), or, for a frozen parameter kept whole, the
-    compute weight itself from row 0."""
+    compute weight itself from row 0. Rows of the local slice of a tensor-parallel
+    parameter ([Note: tensor-parallel parameters] in ``local.py``)."""
+    p = local(unit.params[i])
     if i in unit.trainable or unit.w_shard is not None:
-        rows = unit.params[i].shape[0] if unit.params[i].dim() else 1
+        rows = p.shape[0] if p.dim() else 1
         return unit.shards[i], dim0_chunk(rows, unit.rank, unit.world)[0]
-    return unit.params[i], 0
+    return p, 0
 
 
 def norm_grads(unit) -> list[torch.Tensor]:
     """The part of each shard's gradient this rank counts in a global norm: its own
     rows, or where the shard is whole (stage 0) the rows it would own in its shard
     group, so every stage sums the same partial norms (summed over the shard group:
-    the replica groups hold the same rows)."""
+    the replica groups hold the same rows). Beside tensor parallelism, summed over the
+    tp group too: a parameter every tp rank holds whole (a norm, a row-parallel bias)
+    counts on tp rank 0 only."""
     out = []
-    for i in unit.trainable:
+    mesh = unit.comm.mesh
+    for j, i in enumerate(unit.trainable):
         g = unit.shards[i].grad
-        if g is None:
+        if g is None or (mesh.tp_rank and tp_dim(unit.params[i]) is None):
             continue
         if unit.world == 1 and unit.comm.mesh.shard_world > 1:
-            rows = unit.params[i].shape[0] if unit.params[i].dim() else 1
+            rows = unit.g_layout.slots[j].rows
             a, b = dim0_chunk(rows, unit.comm.mesh.shard_rank, unit.comm.mesh.shard_world)
             g = g.reshape(rows, -1)[a:b]
         out.append(g)
@@ -52,7 +58,7 @@ def local_grads(unit) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Full local gradients as [rows, row] views (zeros where none) and [F] flags."""
     grads, flags = [], []
     for j, i in enumerate(unit.trainable):
-        g, slot = unit.params[i].grad, unit.g_layout.slots[j]
+        g, slot = local_grad(unit.params[i]), unit.g_layout.slots[j]
         flags.append(g is not None)
         grads.append(torch.zeros(slot.rows, slot.row_numel, dtype=unit.grad_dtype,
                                  device=unit.device) if g is None
@@ -80,7 +86,7 @@ def memory(unit, optimizer=None) -> dict[str, int]:
     if pol.keeps_full_grads:
         averaged = pol.full_grads is FullGrads.AVERAGED
         for i in unit.trainable:
-            g = unit.params[i].grad
+            g = local(unit.params[i].grad)
             if g is None and averaged and unit.master is None:
                 g = unit.shards[i].grad  # after the step: a view of them, until zero_grad()
             if g is not None:
@@ -152,16 +158,18 @@ def buffers_in_flight(unit) -> list[torch.Tensor]:
 
 def full_tensors(unit) -> dict[str, torch.Tensor]:
     """Full values under original names: the master where there is one (the source
-    of truth), else the compute weights. A collective over the shard group."""
+    of truth), else the compute weights. A collective over the shard group. A
+    tensor-parallel parameter's value is its local slice, whole over the shard group."""
     values = {}
     whole = unit.w_shard is None
     for i, p in enumerate(unit.params):
         if whole and (unit.master is None or i not in unit.trainable):
-            values[unit.names[i]] = p.detach().clone()
+            values[unit.names[i]] = local(p).detach().clone()
     masters = [i for i in unit.trainable] if unit.master is not None else []
     if masters and unit.world == 1:
         for i in masters:
-            values[unit.names[i]] = unit.shards[i].detach().clone().view(unit.params[i].shape)
+            values[unit.names[i]] = unit.shards[i].detach().clone().view(
+                unit.w_layout.slots[i].shape)
     elif masters:
         out = torch.empty(unit.world * unit.g_layout.slot_numel, dtype=unit.master_dtype,
                           device=unit.device)

@@ -2,7 +2,8 @@
 
 Parameter by parameter, so a rank holds the unit once plus one parameter: each is copied
 into a padded storage of N·c rows (``layout.py``), this rank's rows of it are copied
-into the fp32 master where there is one, and the original goes. The
+into the fp32 master where there is one, and the original goes. A tensor-parallel
+parameter is its local slice here ([Note: tensor-parallel parameters] in ``local.py``). The
 :class:`~zeroshard.runtime.unit.unit.Unit` keeps what this returns; nothing else
 writes these fields.
 """
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from .layout import ShardLayout
+from .local import local, repoint
 
 
 class Storages(NamedTuple):
@@ -45,7 +47,7 @@ def make_storages(params: list[nn.Parameter], trainable: list[int], w_layout: Sh
                              pin_memory=policy.where("optimizer") == "host" and pinned())
     g_slot = {i: g_layout.slots[j] for j, i in enumerate(trainable)}
     for i, (slot, p) in enumerate(zip(w_layout.slots, params)):
-        src = p.detach().to(device).reshape(slot.rows, slot.row_numel)
+        src = local(p).detach().to(device).reshape(slot.rows, slot.row_numel)
         if (src.dtype == compute_dtype and src.is_contiguous()
                 and src.storage_offset() == 0 and slot.chunk_rows * world == slot.rows
                 and src.untyped_storage().nbytes() == slot.numel * src.element_size()
@@ -66,7 +68,7 @@ def make_storages(params: list[nn.Parameter], trainable: list[int], w_layout: Sh
             first = rank * gs.chunk_rows
             master[gs.offset:gs.offset + real * gs.row_numel].copy_(
                 src[first:first + real].reshape(-1))
-        p.data = flat[:slot.numel].view(slot.shape)
+        repoint(p, flat[:slot.numel].view(slot.shape))
         padded.append(buf)
         del src
     w_shard = None

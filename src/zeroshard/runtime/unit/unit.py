@@ -21,6 +21,7 @@ from ..dist import TORCH_DTYPES, host_device
 from ..events import Events
 from .grads import averaged_grads
 from .layout import ShardLayout
+from .local import local, local_shape, set_grad
 from .progress import BackwardProgress
 from .state import UnitState
 from .storage import make_storages, optimizer_views
@@ -41,8 +42,9 @@ class Unit:
         mesh = comm.mesh
         # rank and world of the optimizer state's shard group (a group of one at stage 0)
         self.rank, self.world = policy.shard_coords(mesh.shard_rank, mesh.shard_world)
-        self.w_layout = ShardLayout([tuple(p.shape) for p in self.params], self.world)
-        self.g_layout = ShardLayout([tuple(self.params[i].shape) for i in self.trainable],
+        # over local shapes ([Note: tensor-parallel parameters] in local.py)
+        self.w_layout = ShardLayout([local_shape(p) for p in self.params], self.world)
+        self.g_layout = ShardLayout([local_shape(self.params[i]) for i in self.trainable],
                                     self.world)
         # Gradients always travel in the K-slot layout of the shard group, stage 0
         # included: on gloo a reduce-scatter is an all-reduce of its input
@@ -115,7 +117,7 @@ class Unit:
         self.start_gather()
         (out,) = self.ctx.land("gather", self.index)
         for p, buf in zip(self.params, self.padded):
-            p.untyped_storage().resize_(buf.numel() * buf.element_size())
+            local(p).untyped_storage().resize_(buf.numel() * buf.element_size())
         self.w_layout.unpack_into(out, self.padded)
         self.view.show(self.params)
         self.state = UnitState.GATHERED
@@ -139,7 +141,7 @@ class Unit:
                                          dim=1)  # [m, S], the gather's slot layout
         self.view.show(self.view.sharded)  # the module shows rows, not emptied storages
         for p in self.params:
-            p.untyped_storage().resize_(0)
+            local(p).untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
         self.events.emit("release", self)
 
@@ -212,7 +214,7 @@ class Unit:
             grads = averaged_grads(out[:, :S], (flags > 0).tolist(), self.r_layout,
                                    self.comm.mesh.dp_world, self.grad_dtype)
             for i, g in zip(self.trainable, grads):
-                self.params[i].grad = None if g is None else g.view(self.params[i].shape)
+                set_grad(self.params[i], g)
         else:  # [S + F]: this rank's slot, already averaged by the reduce-scatter
             flags, reduced = out[S:], out[:S]
             if full is FullGrads.LOCAL or self.fresh:
@@ -235,7 +237,7 @@ class Unit:
         ``present[j]``: some rank saw trainable parameter j this cycle."""
         if self.policy.full_grads is FullGrads.AVERAGED:
             for j, i in enumerate(self.trainable):
-                g = self.params[i].grad
+                g = local(self.params[i].grad)
                 shard = self.shards[i]
                 shard.grad = None if not present[j] or g is None else (
                     g.to(self.master_dtype) if self.master is not None else g).view(shard.shape)
@@ -286,8 +288,8 @@ class Unit:
                     w_views[i].copy_(self.shards[i].detach().to(self.compute_dtype))
             else:
                 for i in self.trainable:
-                    self.params[i].data.copy_(self.shards[i].detach().to(self.compute_dtype)
-                                              .view(self.params[i].shape))
+                    w = local(self.params[i]).data
+                    w.copy_(self.shards[i].detach().to(self.compute_dtype).view(w.shape))
             return
         # all-gather every rank's updated rows into every rank's full weights
         self.wait_sync()

@@ -1,0 +1,117 @@
+"""Tensor-parallel plans applied with torch's own styles.
+
+A *plan* maps module names (``*`` matches one name in a path, as in
+``parallelize_module``) to a style name, in transformers' vocabulary
+(``transformers/distributed/tensor_parallel.py``'s ``ALL_PARALLEL_STYLES``), so the plan a
+Hugging Face model ships (``model.tp_plan``: its config's ``base_model_tp_plan`` with the
+vocabulary-parallel embedding and the ``lm_head`` entry) is read as it is. Each style
+name becomes torch's own ``ColwiseParallel`` or ``RowwiseParallel``
+(``torch.distributed.tensor.parallel``), applied by ``parallelize_module``: no
+tensor-parallel layer is written here. The built-in GPT's plan is ``GPT.TP_PLAN``.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+#: Style names taken, and torch's style each becomes (transformers' meaning of the name).
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
+          "rowwise_rep", "rowwise_split_input")
+
+
+def torch_style(name: str, where: str):
+    """torch's parallel style for style ``name`` (of the plan entry ``where``)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name == "colwise":  # input replicated, output this rank's columns
+        return ColwiseParallel()
+    if name in ("colwise_gather_output", "colwise_rep"):  # output gathered whole
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise":  # input this rank's columns, output summed (all-reduce)
+        return RowwiseParallel()
+    if name in ("embedding_rowwise", "rowwise_rep", "rowwise_split_input"):
+        return RowwiseParallel(input_layouts=Replicate())  # a vocabulary-parallel embedding
+    raise NotImplementedError(f"tensor-parallel plan entry {where!r}: style {name!r} is not "
+                              f"taken; accepted: {', '.join(STYLES)}")
+
+
+def parallelize(model: nn.Module, tp_mesh, plan: dict[str, str]) -> nn.Module:
+    """``model`` with ``plan`` applied over ``tp_mesh`` (a 1-D mesh, the ``"tp"`` dim) by
+    torch's ``parallelize_module``. Weights tied before (an embedding and its output
+    head, both cut on the vocabulary) are tied again after, as one DTensor."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    ties = _ties(model)
+    styles = {key: torch_style(name, key) for key, name in plan.items()}
+    parallelize_module(model, tp_mesh, styles)
+    for owner, attr, module, name in ties:
+        setattr(owner, attr, getattr(module, name))
+    return model
+
+
+def _ties(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, attribute, first module, its attribute) of every parameter registered
+    again after its first registration."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    out = []
+    for m in model.modules():
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                out.append((m, attr, *first[id(p)]))
+            else:
+                first[id(p)] = (m, attr)
+    return out
+
+
+def hf_plan(model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel plan transformers ships for ``model`` (``model.tp_plan``), or a
+    ValueError naming the class when it ships none."""
+    plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"--tp: transformers ships no tensor-parallel plan for "
+                         f"{type(model).__name__}; expected a model whose config has a "
+                         "base_model_tp_plan (Llama, Mistral, Qwen2, ...), or --tp 1")
+    return plan
+
+
+def check_degree(tp: int, label: str, sizes: dict[str, int]) -> None:
+    """A ValueError naming the first of ``sizes`` (what tensor parallelism splits: heads,
+    key/value heads, hidden and MLP widths, vocabulary) that ``tp`` does not divide."""
+    for what, n in sizes.items():
+        if n % tp:
+            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
+            raise ValueError(f"--tp {tp} does not divide {label}'s {n} {what}; expected one "
+                             f"of {ok}")
+
+
+def device_mesh(tp: int, shard_group=None):
+    """The mesh of ``zs.shard(..., mesh=)`` over every rank for tensor parallelism of
+    degree ``tp`` (consecutive ranks, a node's): ``("dp", "tp")``, or with a shard group
+    of K data-parallel ranks (``"node"``: a node's ranks over tp)
+    ``("dp_replicate", "dp_shard", "tp")``."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..runtime.dist import default_device
+
+    world = dist.get_world_size()
+    device = default_device().type
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} ranks; expected one of "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    dp = world // tp
+    if shard_group is None:
+        return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    k = int(os.environ.get("LOCAL_WORLD_SIZE", world)) // tp if shard_group == "node" else \
+        shard_group
+    if not isinstance(k, int) or k < 1 or dp % k:
+        raise ValueError(f"shard_group={shard_group!r} with --tp {tp}: shard groups of {k} "
+                         f"data-parallel ranks do not divide the {dp}; expected one of "
+                         f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
+    return init_device_mesh(device, (dp // k, k, tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
