@@ -183,7 +183,7 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
     work = work or Workload()
     params = tp_counted(model, dims.tp)  # the split ones and, on every tp GPU, the whole
     shapes = model_shapes(model) if config.recipe.shaped_state else None
-    placed = placed_bytes(params, dims, config, shapes, model.trainable)
+    placed = placed_bytes(params, dims, config, model.trainable, shapes)
     units = (tp_unit_counts(model, dims.tp, unit_sizes(model, blocks_per_unit))
              if uses_zeropp(config) else None)
     levels = comm_bytes_by_level(params, dims, config, units, model.trainable)

@@ -135,16 +135,16 @@ class Placement:
 
 
 def placed_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
-                 shapes: list[tuple[int, ...]] | None = None,
-                 trainable: int | None = None) -> Placement:
+                 trainable: int | None = None,
+                 shapes: list[tuple[int, ...]] | None = None) -> Placement:
     """Bytes per GPU per category and placement at the optimizer step, as the engine's
     ``memory(by_placement=True)`` reports them in a step pre-hook (every slot unpadded):
     ``config``'s policy places each category (``ShardPolicy.placement``); on disk, the
-    master and the states are in files (:func:`on_disk`). ``shapes``: the parameters',
-    for an optimizer whose state depends on them; ``trainable``: the parameters that
-    train, of ``params`` (both as ``state.model_state_bytes`` takes them)."""
+    master and the states are in files (:func:`on_disk`). ``trainable``: the parameters
+    that train, of ``params``; ``shapes``: the parameters', for an optimizer whose state
+    depends on them (both as ``state.model_state_bytes`` takes them)."""
     policy, recipe = config.policy, config.recipe
-    weights, grads, optimizer = model_state_bytes(params, dims, config, shapes, trainable)
+    weights, grads, optimizer = model_state_bytes(params, dims, config, trainable, shapes)
     n = owned(params if trainable is None else trainable, dims, policy)
     offloaded = policy.offloads_optimizer
     m = master_bytes(recipe, offloaded)

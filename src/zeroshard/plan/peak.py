@@ -236,7 +236,7 @@ def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workloa
     policy, recipe, tp, k = config.policy, config.recipe, dims.tp, dims.shard_size
     params = tp_counted(model, tp)  # the split ones and, on every tp GPU, the whole
     placed = placed_bytes(params, dims, config,
-                          model_shapes(model) if config.recipe.shaped_state else None)
+                          shapes=model_shapes(model) if config.recipe.shaped_state else None)
     device = placed.device
     saved = activation_saved(model, recipe, work, tp)
     acts = saved.peak if saved else 0

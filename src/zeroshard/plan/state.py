@@ -53,8 +53,8 @@ def owned(params: int, dims: ParallelDims, policy: ShardPolicy) -> int:
 
 
 def model_state_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
-                      shapes: list[tuple[int, ...]] | None = None,
-                      trainable: int | None = None) -> tuple[int, int, int]:
+                      trainable: int | None = None,
+                      shapes: list[tuple[int, ...]] | None = None) -> tuple[int, int, int]:
     """(weights, grads, optimizer) bytes per GPU, every placement together (the engine's
     ledger categories): ``config``'s stage shards the first k of (optimizer, grads,
     weights) over the layout's K ranks, after TP divides all by tp; the optimizer's
