@@ -39,8 +39,7 @@ def blocks_of(model) -> torch.nn.ModuleList:
     return lm.transformer.h if hasattr(lm, "transformer") else lm.model.layers
 
 
-def train(kind: str, stage, how: str, backend: str = "inductor", steps: int = 3,
-          group=None) -> dict:
+def train(kind: str, stage, how: str, backend: str = "inductor", steps: int = 3) -> dict:
     """Weights after ``steps`` AdamW steps of ``kind`` at ``stage`` ("ddp": torch DDP,
     eager), compiled as ``how`` says: "model" (torch.compile of the sharded model),
     "blocks" (each block compiled before zs.shard), "units" (``model.compile()``: each
@@ -60,7 +59,7 @@ def train(kind: str, stage, how: str, backend: str = "inductor", steps: int = 3,
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     else:
-        net = zs.shard(model, stage=stage, group=group)
+        net = zs.shard(model, stage=stage)
         opt = cases.make_optimizer("adamw", net.named_parameters(), 1e-3)
     if how == "units":
         net.compile(backend=compiler)
@@ -81,18 +80,6 @@ def train(kind: str, stage, how: str, backend: str = "inductor", steps: int = 3,
             "reasons": sorted({r.splitlines()[0] for r in counters["graph_break"]})}
 
 
-def warm(kind: str) -> None:
-    """Rank 0 compiles ``kind``'s graphs alone (a group of one, this rank's batch: the
-    same graphs), while the other ranks wait: they then find them in inductor's cache
-    instead of compiling the same kernels at the same time."""
-    import torch.distributed as dist
-
-    alone = dist.new_group([0])
-    if dist.get_rank() == 0:
-        train(kind, 0, "model", steps=1, group=alone)
-    dist.barrier()
-
-
 def compile_grid() -> dict:
     """Per model, stage and way: the largest difference to eager DDP (relative to the
     weights' largest), graphs run per step, units and dynamo's break count."""
@@ -102,7 +89,6 @@ def compile_grid() -> dict:
     out = {}
     for kind in ("hf_gpt2", "hf_llama"):
         ref = train(kind, "ddp", "eager")["weights"]
-        warm(kind)
         for stage, how in ((0, "model"), (3, "model"), (3, "blocks"), (3, "units")):
             r = train(kind, stage, how)
             diff = cases.max_rel_diff(r.pop("weights"), ref)
