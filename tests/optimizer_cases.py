@@ -141,7 +141,8 @@ def ledger_grid():
                 sent = net.comm_stats()
                 out[(kind, stage, precision)] = {
                     "memory": net.memory(opts)["optimizer"],
-                    "plan": model_state_bytes(spec.params, dims, config, list(spec.shapes))[2],
+                    "plan": model_state_bytes(spec.params, dims, config,
+                                              shapes=list(spec.shapes))[2],
                     "owner": {k: sent.get(k, {}).get("bytes", 0)
                               for k in ("owner_gather", "owner_scatter")},
                     "owner_plan": owner_comm(list(spec.shapes), dims, config,

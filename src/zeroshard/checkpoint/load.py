@@ -14,7 +14,7 @@ from .arguments import path_given, sharded_model
 from .optstate import optimizers
 from .sharded import entries, read_manifest, resolve, verify, verify_contents
 from .tensorfile import TensorFile
-from .tplayout import pieces, place, volume
+from .tplayout import pieces, place, saved_local_shape, volume
 
 
 def _pieces(manifest: dict, name: str, a: int, b: int):
@@ -160,8 +160,8 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, own: str | None) 
                 if not f.shape(full_key):  # a step count
                     state[key] = f.rows(full_key).to(e.shard.device)
                     continue
-                per_element = (full_key not in whole
-                               and tuple(f.shape(full_key)[1:]) == tuple(shape[1:]))
+                per_element = (full_key not in whole and tuple(f.shape(full_key)[1:])
+                               == tuple(saved_local_shape(manifest, e.name)[1:]))
                 if per_element:  # placed as the parameter's own rows, at any tp degree
                     rows = torch.empty(shape, dtype=f.dtype(full_key))
                     read(full_key, rows, want, found)

@@ -3,22 +3,19 @@
 [Note: the step cycle] One optimizer step is a *cycle* of one or more backward passes
 (``step/cycle.py`` names its states):
 
-1. forward: where parameters are sharded (stage 3) each unit is gathered in its
-   pre-forward hook and released in its post-forward hook, which also arms a hook on
-   its outputs that gathers it again when backward reaches it (FSDP's pre-backward
-   hook); ``schedule/prefetch.py`` issues the next gathers early.
+1. forward: where parameters are sharded (stage 3) each unit is gathered before its
+   forward and released after it, arming a hook on its outputs that gathers it again
+   for backward (FSDP's pre-backward hook); ``schedule/prefetch.py`` gathers ahead.
 2. backward: each unit's gradients are reduced as soon as it is done, in one order on
    every rank (``schedule/backward.py``), packed into one buffer per unit
    (``schedule/reduce.py``).
 3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
-   its gradient; the post-hook brings the compute weights up to date
-   (``spec/policy.py``: a cast, or an all-gather awaited in the next forward).
+   its gradient; the post-hook brings the compute weights up to date (a cast, or an
+   all-gather awaited in the next forward).
 
-:class:`ShardedModel` builds its collaborators once and owns them: the mesh (every
-process group), the collectives and their comm context, the units, the reducer and the
-prefetcher (the order of a pass's collectives), the step cycle, the hooks that drive the
-passes (``hooks.py``) and the stepper (``step/stepping.py``). Its public methods are
-the ordinary ``nn.Module`` surface plus the engine's few additions.
+:class:`ShardedModel` builds its collaborators once and owns them (the mesh, the
+collectives, the units, the reducer, the prefetcher, the step cycle, the pass hooks of
+``hooks.py``, the stepper); its public methods are ``nn.Module``'s and a few more.
 """
 
 from __future__ import annotations
@@ -214,8 +211,7 @@ class ShardedModel(nn.Module):
 
     @property
     def loss_scaler(self):
-        """The :class:`~zeroshard.runtime.step.scaler.GradScaler` made for this model,
-        if any."""
+        """The :class:`~zeroshard.runtime.step.scaler.GradScaler` made for it, if any."""
         return self.stepper.loss_scaler
 
     # -- weights in and out ---------------------------------------------------------

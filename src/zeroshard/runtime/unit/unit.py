@@ -1,11 +1,10 @@
 """A unit: the parameters gathered together and reduced together.
 
-One code path for every stage; what differs is asked of the unit's
-:class:`~zeroshard.spec.policy.ShardPolicy` (stage 0 is a shard group of one for the
-optimizer state). Every field of a unit is declared in :meth:`Unit.__init__` and changed
-only by the unit's own methods: the reducer, the prefetcher, the step and the offload
-stream call them, and read the rest through ``readout.py``. Its collectives in flight
-are held by the model's comm context ([Note: comm context] in ``comm/context.py``).
+One code path for every stage; what differs is asked of the unit's ``ShardPolicy``
+(stage 0 is a shard group of one for the optimizer state). Every field is declared in
+:meth:`Unit.__init__` and changed only by the unit's own methods, which the reducer,
+the prefetcher, the step and the offload stream call (the rest is read through
+``readout.py``); its collectives in flight are the comm context's (``comm/context.py``).
 """
 
 from __future__ import annotations
