@@ -46,9 +46,8 @@ class Unit:
         self.g_layout = ShardLayout([local_shape(self.params[i]) for i in self.trainable],
                                     self.world)
         # Gradients always travel in the K-slot layout of the shard group, stage 0
-        # included: on gloo a reduce-scatter is an all-reduce of its input
-        # (collectives.py), so stage 0's all-reduce of the same buffer sums every element
-        # in the same order, and stage 0 matches stages 1-3 bit for bit.
+        # included: on gloo a reduce-scatter is an all-reduce of its input, so stage 0's
+        # all-reduce sums every element in the same order: bit for bit as stages 1-3.
         self.r_layout = ShardLayout([s.shape for s in self.g_layout.slots], mesh.shard_world)
         self.compute_dtype, self.grad_dtype = (TORCH_DTYPES[recipe.param_dtype],
                                                TORCH_DTYPES[recipe.grad_dtype])
