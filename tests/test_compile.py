@@ -9,7 +9,7 @@ import pytest
 
 from zeroshard.runtime.spawn import spawn
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _grid():

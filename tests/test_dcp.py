@@ -36,7 +36,7 @@ from zeroshard.runtime.spawn import spawn
 
 from . import engine_cases as cases
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 #: (N, stage, shard group K): K = 2 at N = 4 is hybrid sharding's 2-D mesh
 PLAIN = [(n, s, None) for n in (1, 2, 4) for s in range(4)]

@@ -89,6 +89,7 @@ def _restarted(out: str, log: Path, resumed: list[int], ckpts: Path, world: int 
     assert [r["step"] for r in steps[-(40 - resumed[-1]):]] == list(range(resumed[-1] + 1, 41))
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_after_a_kill_and_a_kill_in_a_save_end_bit_for_bit(tmp_path):
     """Plain torchrun (its c10d rendezvous and shared store, no setting), stage 3: rank 1
     killed at step 15 (resumes from 10), then killed half-way through its file of the
@@ -118,6 +119,7 @@ def _llama(root: Path) -> Path:
     return root / "llama"
 
 
+@pytest.mark.slow
 def test_zeroshard_train_restarts_a_killed_and_a_frozen_rank_of_a_hf_model(tmp_path):
     """``zeroshard train --max-restarts``, a Hugging Face Llama at stage 0: rank 1 killed at
     step 15 (resumes from 10), then frozen by SIGSTOP at step 25: rank 0's collective
@@ -152,6 +154,7 @@ def test_resume_auto_starts_fresh_only_where_no_save_completed(tmp_path):
     assert checkpoint_to_resume(cfg) is None
 
 
+@pytest.mark.slow
 def test_a_lost_node_leaves_the_run_at_n_2_resumed_from_its_last_save(tmp_path):
     """Two torchrun agents of two ranks each (``--nnodes 1:2``), their rendezvous served by
     this test on loopback (a cluster's would be); the node of rank 0 is lost at step 15

@@ -15,7 +15,7 @@ import torch
 from zeroshard.cli import main
 from zeroshard.runtime.spawn import spawn
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 VOCAB = 384
 STEPS, SEQ = 8, 32

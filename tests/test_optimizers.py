@@ -70,6 +70,7 @@ def test_the_lamb_example_answers_the_source_documents_question(grid2):
     assert r["zero1 step bytes"]["all_reduce"] == {"calls": 1, "bytes": 16}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3, "hybrid"])
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 @pytest.mark.parametrize("model", MODELS)
@@ -88,6 +89,7 @@ def test_within_1e6_of_ddp_n4(grid4, model, kind, stage):
         assert r["ddp"] == 0.0, r
 
 
+@pytest.mark.slow
 def test_muon_n4_on_each_ranks_own_batch_is_stage_0_bit_for_bit(grid4):
     """Four different gradients summed alike at every stage (zeroshard's own order):
     stage 3's owners orthogonalise the same matrices as torch's Muon at stage 0."""
@@ -127,6 +129,7 @@ def test_checkpoint_resumes_bit_for_bit_at_another_stage(grid2, kind):
     assert grid2["checkpoint"][kind]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 @pytest.mark.parametrize("layout", ["n2", "n1"])
 def test_checkpoint_state_reshards_across_n(grid4, kind, layout):

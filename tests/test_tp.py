@@ -27,7 +27,7 @@ from zeroshard.train.hfmodel import gpt_architecture
 
 from . import tp_cases as cases
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 TOL = 1e-6
 
 

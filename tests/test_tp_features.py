@@ -27,7 +27,7 @@ from zeroshard.runtime.spawn import spawn
 
 from . import tp_cases as cases
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
