@@ -98,3 +98,18 @@ def test_ledger_is_the_plan_per_category_and_axis(grid, case, stage, tmp_path):
     assert sent("inside", skip=("broadcast",)) == plan.comm_inside + inside_flags
     assert sent("across") == plan.comm_across + across_flags
     assert sent("tp") == plan.tp_comm > 0
+
+
+def test_optimizers_that_read_whole_tensors_are_refused_beside_tp():
+    """A split matrix is a slice on each tp rank: Muon's orthogonalisation and Adafactor's
+    and LAMB's sums of it would step another function (FSDP2 + TP's Muon does, silently),
+    so each is one line at its first step, at stage 0 as at stage 3; AdamW steps."""
+    got = spawn(cases.whole_tensor_optimizers_beside_tp, 2, timeout=300)
+    assert got[0] == got[1]
+    for (name, stage), err in got[0].items():
+        if name == "AdamW":
+            assert err is None, (stage, err)
+        else:
+            assert err.startswith(f"{name} beside tensor parallelism (tp=2): its update "
+                                  "reads "), (name, stage, err)
+            assert "Use an elementwise optimizer" in err, err

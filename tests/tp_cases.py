@@ -527,3 +527,30 @@ def other_features() -> dict:
     if dist.get_rank() == 0:
         out["ref"] = reference("gpt", 3)
     return out
+
+
+def whole_tensor_optimizers_beside_tp() -> dict:
+    """tp 2 at stages 0 and 3: Muon (whole matrices) and Adafactor (whole-tensor sums)
+    refused at their first step, in one line; AdamW steps. Per (optimizer, stage): the
+    error, or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zeroshard.optim.lamb import Lamb
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for stage in (0, 3):
+        for name in ("Muon", "Adafactor", "Lamb", "AdamW"):
+            model = tp_model("gpt", mesh, stage)
+            params = [p for p in model.parameters() if p.dim() == 2] if name == "Muon" else \
+                list(model.parameters())
+            cls = Lamb if name == "Lamb" else getattr(torch.optim, name)
+            opt = cls(params, lr=1e-3)
+            x, y = batch(0)
+            loss("gpt", model, rows(mesh, x), rows(mesh, y)).backward()
+            try:
+                opt.step()
+                out[(name, stage)] = None
+            except ValueError as exc:
+                out[(name, stage)] = str(exc)
+    return out

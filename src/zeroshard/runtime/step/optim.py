@@ -39,6 +39,15 @@ def sharded_step(optimizer: torch.optim.Optimizer, stepper):
     ValueError for an optimizer that cannot step shards."""
     name = type(optimizer).__name__
     stage = stepper.policy.stage
+    if stepper.comm.mesh.tp_world > 1 and (name in STEPPED or name in REFUSED):
+        # a split matrix is a slice on each tp rank at every stage: its sums and its
+        # orthogonalisation would be of the slice (FSDP2 + TP's Muon steps so, silently)
+        why = STEPPED[name][1] if name in STEPPED else REFUSED[name]
+        raise ValueError(
+            f"{name} beside tensor parallelism (tp={stepper.comm.mesh.tp_world}): its "
+            f"update reads {why}, and each tp rank holds a slice of every matrix tensor "
+            "parallelism splits, so it would step another function. Use an elementwise "
+            "optimizer (AdamW, Adam, SGD) beside tensor parallelism, or tp = 1")
     if (not stepper.policy.checks_elementwise or stepper.comm.mesh.shard_world == 1
             or name in ELEMENTWISE):
         return None
