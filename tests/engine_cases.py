@@ -4,6 +4,8 @@ reference trainer, and the grids that each feature file's one spawn runs on ever
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -476,16 +478,21 @@ def mismatched_models():
         return str(exc)
 
 
+def refusal(out: dict, key: str, fn) -> None:
+    """``out[key]``: None where ``fn()`` returns, else the (class, message) of the
+    ValueError or NotImplementedError it raised."""
+    try:
+        fn()
+        out[key] = None
+    except (ValueError, NotImplementedError) as exc:
+        out[key] = (type(exc).__name__, str(exc))
+
+
 def misuse_grid():
     """The step cycle misused: each a clear error on every rank, never a hang."""
     out = {}
 
-    def attempt(key, fn):
-        try:
-            fn()
-            out[key] = None
-        except (ValueError, NotImplementedError) as exc:
-            out[key] = (type(exc).__name__, str(exc))
+    attempt = functools.partial(refusal, out)
 
     net = zs.shard(build("mlp"), stage=3)
     attempt("shard_twice", lambda: zs.shard(net, stage=2))

@@ -4,6 +4,8 @@ stages 0-3 with the default units, and peft's own calls on the sharded model."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -145,12 +147,7 @@ def peft_calls_grid() -> dict:
     out["unchanged"] = cases.bit_equal(net.full_state_dict(), before)
     out["trains_on"] = torch.isfinite(loss("llama", net, *cases.batch("gpt", 5))).item()
 
-    def attempt(key, fn):
-        try:
-            fn()
-            out[key] = None
-        except (ValueError, NotImplementedError) as exc:
-            out[key] = (type(exc).__name__, str(exc))
+    attempt = functools.partial(cases.refusal, out)
 
     config = peft.LoraConfig(r=RANK, target_modules=["q_proj"])
     attempt("add_adapter", lambda: net.add_adapter("late", config))
