@@ -185,9 +185,11 @@ def make_optimizer(kind: str, named, lr: float = 1e-2):
 
 def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: float | None = None,
           micros: int = 1, precision=None, use_no_sync: bool = False,
-          ddp_sync_every: bool = False, shard_group=None):
+          ddp_sync_every: bool = False, shard_group=None, bucket: int | None = None):
     """Train with zeroshard (stage 0-3) or torch DDP (stage "ddp"); return the full
-    weights, the losses, and for zeroshard the model and optimizer."""
+    weights, the losses, and for zeroshard the model and optimizer. ``bucket``: the
+    ``reduce_bucket_size`` (None: the stage's default; 0 at stage 0 reduces unit by unit
+    as stages 1-3 do, so that at N >= 3 they sum in the same order)."""
     model = build(model_name)
     # nanoGPT-like; 1e-2 makes the tiny transformers chaotic
     lr = 1e-3 if model_name.startswith(("gpt", "hf")) else 1e-2
@@ -202,7 +204,8 @@ def train(model_name: str, stage, steps: int = 20, optim: str = "adamw", clip: f
         net = zs.shard(model, stage=stage, mixed_precision=precision, units=units,
                        shard_group=shard_group,
                        config={"param_persistence_threshold":
-                               100 if model_name == "gpt_persist" else 0})
+                               100 if model_name == "gpt_persist" else 0,
+                               "reduce_bucket_size": bucket})
         opt = make_optimizer(optim, net.named_parameters(), lr)
     losses = []
     for step in range(steps):
@@ -268,7 +271,10 @@ def parity_grid(models, variants, steps=20):
         for variant in variants:
             kw = VARIANTS[variant]
             ref, _, _, _ = train(model, "ddp", steps, **kw)
-            runs = {s: train(model, s, steps, **kw)[0] for s in range(4)}
+            # stage 0 unit by unit, as stages 1-3 reduce; its default (DDP's bucket)
+            # apart: at N >= 3 a buffer of another size sums in another order
+            runs = {s: train(model, s, steps, bucket=0, **kw)[0] for s in range(4)}
+            bucketed = train(model, 0, steps, **kw)[0]
             every = None
             if kw.get("micros", 1) > 1:  # DDP itself, reducing every micro-batch
                 every = train(model, "ddp", steps, ddp_sync_every=True, **kw)[0]
@@ -278,6 +284,9 @@ def parity_grid(models, variants, steps=20):
                 "bit_equal_to_stage0": [bit_equal(runs[s], runs[0]) for s in range(4)],
                 "diff_to_stage0": [max_rel_diff(runs[s], runs[0]) for s in range(4)],
                 "diff_to_ddp": [max_rel_diff(runs[s], ref) for s in range(4)],
+                "bucketed_to_stage0": max_rel_diff(bucketed, runs[0]),
+                "bucketed_bit_equal": bit_equal(bucketed, runs[0]),
+                "bucketed_to_ddp": max_rel_diff(bucketed, ref),
             }
     return out
 

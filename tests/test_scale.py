@@ -213,9 +213,12 @@ def expected_comm(model: str, world: int, stage: int, recipe) -> dict[str, dict[
     rb, wb, n = recipe.reduce_bytes, recipe.weight_bytes, world
     reduce = [rb * n * (slot_numel(u, n) + len(u)) for u in units]
     gather = [wb * n * slot_numel(u, n) for u in units]
-    if stage == 0:
-        out = {"all_reduce": {"calls": len(units),
-                              "bytes": sum(ring_all_reduce(t, n) for t in reduce)}}
+    if stage == 0:  # one buffer per bucket (the default, DDP's 25 MiB, where it sums
+        # in the gradients' own dtype), units in backward's order
+        size = ZeroConfig(stage=0, mixed_precision=recipe).reduce_bucket
+        buffers = _buckets(list(reversed(units)), list(reversed(reduce)), size)
+        out = {"all_reduce": {"calls": len(buffers),
+                              "bytes": sum(ring_all_reduce(t, n) for t in buffers)}}
     else:
         gathers = 2 if stage == 3 else 1
         out = {"reduce_scatter": {"calls": len(units),
@@ -228,6 +231,19 @@ def expected_comm(model: str, world: int, stage: int, recipe) -> dict[str, dict[
     calls = sum(v["calls"] for v in out.values()) + (stage > 0)
     out["check"] = {"calls": calls, "bytes": calls * ring_one_way(56 * n, n)}
     return out
+
+
+def _buckets(units, nbytes: list[int], size: int) -> list[int]:
+    """Bytes of each reduction buffer: consecutive units share one until their
+    parameters reach ``size`` elements (0: one per unit)."""
+    out, elements, pending = [], 0, 0
+    for shapes, b in zip(units, nbytes):
+        elements += sum(math.prod(s) for s in shapes)
+        pending += b
+        if elements >= size:
+            out.append(pending)
+            elements = pending = 0
+    return out + ([pending] if pending else [])
 
 
 def planned_kinds(comm: dict) -> int:

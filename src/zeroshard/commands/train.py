@@ -53,7 +53,8 @@ _ENGINE_FLAGS = {
     "prefetch": dict(metavar="K", help="stage 3: units all-gathered ahead of use"),
     "prefetch_bucket_size": dict(metavar="N", shown="0: no limit", help="stage 3: elements "
                                  "prefetched at once (the next unit always is)"),
-    "reduce_bucket_size": dict(metavar="N", shown="0: one per unit", help="coalesce "
+    "reduce_bucket_size": dict(metavar="N", type=int, shown="stage 0: DDP's 25 MiB; 1-3: 0, "
+                               "one per unit", help="coalesce "
                                "consecutive units' gradient reductions up to N elements"),
     "sync_module_states": dict(shown="on", help="broadcast rank 0's weights and buffers at "
                                "shard time"),
@@ -85,6 +86,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
             kwargs = {"dest": name, "action": argparse.BooleanOptionalAction}
         elif isinstance(default, (int, float)):
             kwargs["type"] = type(default)
+        if "type" in spec:  # a number whose default (None) the stage fills in
+            kwargs["type"] = spec.pop("type")
         shown = spec.pop("shown", default)
         help_text = spec.pop("help", f"ZeroConfig.{name}")
         flag = "--" + name.replace("_", "-")

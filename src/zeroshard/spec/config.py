@@ -12,7 +12,7 @@ from typing import Any
 
 from .._jsonfile import read_json_object
 from .deepspeed import DEEPSPEED_KEYS, is_deepspeed, translate  # noqa: F401 (re-exported)
-from .formulas import QUANT_BLOCK, SUB_GROUP_SIZE
+from .formulas import DDP_BUCKET_BYTES, QUANT_BLOCK, SUB_GROUP_SIZE
 from .policy import ShardPolicy
 from .recipes import RECIPES, Recipe, get_recipe
 from .rules import (  # noqa: F401 (PLANNED_DISK re-exported)
@@ -68,11 +68,16 @@ class ZeroConfig:
     prefetch_bucket_size: int = 0
     """Stage 3: if > 0, the units prefetched at once hold at most this many elements
     (DeepSpeed's ``stage3_prefetch_bucket_size``); the next unit is always allowed."""
-    reduce_bucket_size: int = 0
+    reduce_bucket_size: int | None = None
     """If > 0, the gradient reductions of consecutive units share one collective until
     it holds at least this many elements (DeepSpeed's ``reduce_bucket_size``): fewer,
-    larger collectives for models of many small units, at the cost of a larger
-    communication buffer. 0: one reduction per unit."""
+    larger collectives, at the cost of a larger communication buffer; 0: one reduction
+    per unit. None (the default): torch DDP's 25 MiB at stage 0 when it sums in the
+    gradients' own dtype — its buffers then hold the gradients they replace, so a bucket
+    adds nothing to its memory — else 0, as at stages 1-3, where a unit's gradients go
+    as soon as its own reduction is issued (FSDP2). At N >= 3 the stages agree bit for
+    bit at the same bucket size: the order in which gloo's ring sums an element depends
+    on the buffer it travels in."""
     profile: bool = False
     """Record a timeline of unit lifecycle events with bytes per category, activation
     bytes (saved-tensor hooks) and a collective trace (``model.profiler``). Off, the
@@ -183,6 +188,8 @@ class ZeroConfig:
         for name in ("param_persistence_threshold", "prefetch", "prefetch_bucket_size",
                      "reduce_bucket_size"):
             t = getattr(self, name)
+            if t is None and name == "reduce_bucket_size":
+                continue  # the stage's default (``reduce_bucket``)
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"{name}={t!r} must be an integer >= 0")
         sg = self.shard_group
@@ -221,6 +228,17 @@ class ZeroConfig:
         if reduce not in ("fp32", "bf16") and not (given and reduce == recipe.reduce_dtype):
             raise ValueError(f"reduce_dtype={self.reduce_dtype!r}; expected 'fp32' or 'bf16'")
         object.__setattr__(self, "recipe", recipe.with_reduce_dtype(reduce))
+
+    @property
+    def reduce_bucket(self) -> int:
+        """Elements a gradient reduction gathers before it is issued
+        (``reduce_bucket_size``, its default filled in for this stage)."""
+        if self.reduce_bucket_size is not None:
+            return self.reduce_bucket_size
+        rb = self.recipe.reduce_bytes  # stages 1-3, and stage 0 summing in a wider dtype:
+        if self.policy.bounds_reductions(self.recipe.grad_bytes, rb):  # buffers add memory
+            return 0
+        return DDP_BUCKET_BYTES // rb
 
     @property
     def policy(self) -> ShardPolicy:

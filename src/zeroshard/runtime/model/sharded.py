@@ -102,7 +102,7 @@ class ShardedModel(nn.Module):
         self._named_shards = sorted(((u.names[i], s) for u in self.units
                                      for i, s in enumerate(u.shards)),
                                     key=lambda ns: position[ns[0]])
-        self.reducer = Reducer(self.units, config.reduce_bucket_size)
+        self.reducer = Reducer(self.units, config.reduce_bucket)
         self.comm.unit_names = [u.name for u in self.units]
         self.cycle = StepCycle()
         self.prefetcher = Prefetcher(config.prefetch, config.prefetch_bucket_size)
