@@ -62,7 +62,7 @@ LOSS_TOL = 1e-6
 #: 1.1e-5 apart)
 LOSS_TOL_COMPILED = 1e-4
 PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4)
-             for x in ("", "-unchecked", "-nofingerprints", "-hybrid2", "-compile",
+             for x in ("", "-unchecked", "-nofingerprints", "-perunit", "-hybrid2", "-compile",
                        "-compile-units", "-tp2")}
             | {"ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard", "fsdp2-hsdp2",
                "fsdp2-tp2"})
