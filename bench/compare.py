@@ -166,8 +166,8 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
             options["config"] = {"check_collectives": False, "nonfinite": "ignore"}
         elif impl.endswith("-nofingerprints"):  # without the fingerprints only
             options["config"] = {"check_collectives": False}
-        elif impl.endswith("-perunit"):  # one reduction per unit (stage 0's default
-            options["reduce_bucket_size"] = 0  # is DDP's 25 MiB bucket)
+        elif impl.endswith("-perunit"):  # one reduction per unit (stage 0's default:
+            options["reduce_bucket_size"] = 0  # DDP's 25 MiB bucket)
         elif impl.endswith("-hybrid2"):  # shard groups of 2, replicated across
             options["shard_group"] = 2
         elif impl.endswith("-hpz2"):  # ZeRO++ hpZ: backward gathers in groups of 2

@@ -26,6 +26,21 @@ def test_config_validation():
         ZeroConfig.from_dict({"stages": 2})
 
 
+def test_reduce_bucket_default_is_ddps_at_stage_0_only():
+    """25 MiB of the reduce dtype where stage 0's buffers replace the gradients they
+    carry; 0 (one reduction per unit) at stages 1-3 and where stage 0 sums bf16
+    gradients in fp32 (its buffers would outweigh them); a given size is kept."""
+    assert ZeroConfig(stage=0).reduce_bucket == 25 * 2**20 // 4 == 6_553_600
+    assert ZeroConfig(stage=0, mixed_precision="bf16", reduce_dtype="bf16").reduce_bucket == (
+        25 * 2**20 // 2)
+    assert ZeroConfig(stage=0, mixed_precision="bf16").reduce_bucket == 0  # fp32 sums
+    assert [ZeroConfig(stage=s).reduce_bucket for s in (1, 2, 3)] == [0, 0, 0]
+    assert ZeroConfig(stage=0, reduce_bucket_size=0).reduce_bucket == 0
+    assert ZeroConfig(stage=2, reduce_bucket_size=7).reduce_bucket == 7
+    with pytest.raises(ValueError, match="reduce_bucket_size=-1 must be an integer >= 0"):
+        ZeroConfig(reduce_bucket_size=-1)
+
+
 def test_deepspeed_config_names_ignored_keys():
     with pytest.warns(UserWarning, match="ignored by zeroshard: optimizer, "
                                          "zero_optimization.overlap_comm"):

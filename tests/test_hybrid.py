@@ -44,6 +44,9 @@ def _grid():
                       u.g_layout.slot_numel) for u in net.units]
             out[(k, stage)] = {"diff": cases.max_rel_diff(weights, ref), "weights": weights,
                                "memory": memory, "levels": levels, "slots": slots}
+        # and stage 0 at its default, DDP's bucket (the whole MLP in one all-reduce)
+        out[(k, "bucketed")] = cases.max_rel_diff(
+            cases.train("mlp", 0, steps=8, shard_group=k)[0], ref)
     return out
 
 
@@ -56,6 +59,7 @@ def grid():
 def test_every_stage_matches_ddp(grid, k):
     for stage in range(4):
         assert grid[0][(k, stage)]["diff"] < cases.TOL, (k, stage, grid[0][(k, stage)]["diff"])
+    assert grid[0][(k, "bucketed")] < cases.TOL, (k, grid[0][(k, "bucketed")])
 
 
 @pytest.mark.parametrize("k", GROUPINGS)
