@@ -3,6 +3,7 @@ with a confidence interval.
 
     python bench/paired.py                          # the four targets, medium GPT, N = 2
     python bench/paired.py --pairs zeroshard-0:ddp --steps 80
+    python bench/paired.py --runs 3 --steps 30      # the four targets' medians of three
     python bench/paired.py --pairs zeroshard-3-compile:zeroshard-3   # compiled / eager
 
 ``compare.py`` runs each implementation in fresh processes, one after another, and this
@@ -19,7 +20,10 @@ pair: each member's median step time, the median of the per-step ratios and a 95
 bootstrap interval for it (the timed steps resampled 2,000 times, seeded: the spread of
 steps within one run, not between runs), and both losses after the last step, which must
 agree: both members train the same function (a pair whose losses differ is reported, and
-the command exits with status 1).
+the command exits with status 1). One run's interval can miss the next run's ratio by a
+few per cent when the machine is busy: ``--runs K`` runs every pair K times, each in
+fresh processes and the pairs taking turns, and reports the median of the K ratios with
+their spread, the measure the project's speed targets are stated in.
 
 A member may name its optimizer, ``IMPL@OPTIMIZER`` (``compare.OPTIMIZERS``; the rest
 take ``--optimizer``): ``zeroshard-2@muon:zeroshard-2@adamw`` times Muon's step
@@ -178,9 +182,37 @@ def same_function(pair: tuple[str, str]) -> bool:
     return oa == ob and (oa == "adamw" or not any(i.startswith("fsdp2") for i in (a, b)))
 
 
-def main() -> None:
+def _run_pair(pair: tuple[str, str], a: argparse.Namespace, run: int) -> dict:
+    """One run of ``pair`` in fresh processes: its result, printed as one line."""
     from zeroshard.runtime.spawn import spawn
 
+    r = spawn(_rank, a.nproc, pair, a.preset, a.steps, a.batch, a.lr,
+              a.reduce_bucket_size, timeout=1800)[0]
+    ta, tb = r["times"]
+    mid, lo, hi = paired_ratio(ta, tb)
+    la, lb = r["loss"]
+    tol = LOSS_TOL_COMPILED if any("-compile" in m for m in pair) else LOSS_TOL
+    same = abs(la - lb) <= tol * max(1.0, abs(lb))
+    name = [m.removesuffix("@adamw") for m in pair]
+    sa, sb = (f"{s / 1e6:.3f}" for s in r["state"])
+    prefix = f"run {run + 1}/{a.runs}  " if a.runs > 1 else ""
+    print(f"{prefix}{name[0]:18} {statistics.median(ta) * 1e3:7.1f} ms  against {name[1]:22} "
+          f"{statistics.median(tb) * 1e3:7.1f} ms  ratio {mid:.3f}x "
+          f"(95% {lo:.3f}-{hi:.3f}, {len(ta)} steps)  state {sa} / {sb} MB  "
+          f"loss {la:.6f} / {lb:.6f}"
+          f"{'' if same or not same_function(pair) else '  LOSSES DIFFER'}", flush=True)
+    for member, owner in zip(name, r["owner"]):
+        if owner is not None:
+            print(f"  {member}: owner computes sent {owner['measured']:,.0f} bytes a step "
+                  f"from rank 0 (planned {owner['planned']:,})", flush=True)
+    return {"pair": name, "run": run, "median_ms": [statistics.median(ta) * 1e3,
+                                                    statistics.median(tb) * 1e3],
+            "ratio": mid, "ci95": [lo, hi], "loss": r["loss"], "same": same,
+            "steps": len(ta), "state_bytes": r["state"], "times_s": [ta, tb],
+            "owner_bytes_per_step": r["owner"]}
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default=",".join(TARGETS),
                    help="comma-separated A:B pairs; the ratio is A's time over B's "
@@ -192,10 +224,15 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--reduce-bucket-size", type=int, metavar="ELEMENTS",
-                   help="zeroshard's reduce_bucket_size (default: the engine's, one "
-                        "reduction per unit)")
+                   help="zeroshard's reduce_bucket_size (default: the engine's for "
+                        "each stage, torch DDP's 25 MiB at stage 0 and one reduction per "
+                        "unit at stages 1-3)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="the optimizer of members that name none (default adamw)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="runs of every pair, each in fresh processes, the pairs taking "
+                        "turns; past one, the median of the runs' ratios is reported "
+                        "with their spread (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     a = p.parse_args()
     if a.reduce_bucket_size is not None and a.reduce_bucket_size < 0:
@@ -204,38 +241,30 @@ def main() -> None:
         pairs = _parse_pairs(a.pairs, a.optimizer)
     except ValueError as exc:
         p.error(str(exc))
+    if a.runs < 1:
+        p.error(f"--runs={a.runs} must be at least 1")
     if a.steps <= WARMUP:
         p.error(f"--steps={a.steps} must exceed the {WARMUP} warm-up steps")
     results, differ = [], []
-    for pair in pairs:
-        r = spawn(_rank, a.nproc, pair, a.preset, a.steps, a.batch, a.lr,
-                  a.reduce_bucket_size, timeout=1800)[0]
-        ta, tb = r["times"]
-        mid, lo, hi = paired_ratio(ta, tb)
-        la, lb = r["loss"]
-        tol = LOSS_TOL_COMPILED if any("-compile" in m for m in pair) else LOSS_TOL
-        same = abs(la - lb) <= tol * max(1.0, abs(lb))
-        if not same and same_function(pair):
-            differ.append(pair)
-        name = [m.removesuffix("@adamw") for m in pair]
-        results.append({"pair": name, "median_ms": [statistics.median(ta) * 1e3,
-                                                    statistics.median(tb) * 1e3],
-                        "ratio": mid, "ci95": [lo, hi], "loss": r["loss"], "steps": len(ta),
-                        "state_bytes": r["state"], "times_s": [ta, tb],
-                        "owner_bytes_per_step": r["owner"]})
-        sa, sb = (f"{s / 1e6:.3f}" for s in r["state"])
-        print(f"{name[0]:18} {statistics.median(ta) * 1e3:7.1f} ms  against {name[1]:22} "
-              f"{statistics.median(tb) * 1e3:7.1f} ms  ratio {mid:.3f}x "
-              f"(95% {lo:.3f}-{hi:.3f}, {len(ta)} steps)  state {sa} / {sb} MB  "
-              f"loss {la:.6f} / {lb:.6f}"
-              f"{'' if same or not same_function(pair) else '  LOSSES DIFFER'}", flush=True)
-        for member, owner in zip(name, r["owner"]):
-            if owner is not None:
-                print(f"  {member}: owner computes sent {owner['measured']:,.0f} bytes a step "
-                      f"from rank 0 (planned {owner['planned']:,})", flush=True)
+    for run in range(a.runs):  # every pair once a run, so a slow hour falls on all of them
+        for pair in pairs:
+            results.append(_run_pair(pair, a, run))
+            if not results[-1]["same"] and same_function(pair) and pair not in differ:
+                differ.append(pair)
+    medians = []
+    if a.runs > 1:
+        print(f"median of {a.runs} runs (each run's own interval in its line above):")
+        for pair in pairs:
+            name = [m.removesuffix("@adamw") for m in pair]
+            ratios = [r["ratio"] for r in results if r["pair"] == name]
+            medians.append({"pair": name, "ratios": ratios, "median": statistics.median(ratios)})
+            print(f"{name[0]:18} against {name[1]:22} ratio {statistics.median(ratios):.3f}x  "
+                  f"(runs {', '.join(f'{x:.3f}x' for x in ratios)}; spread "
+                  f"{min(ratios):.3f}-{max(ratios):.3f})", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"args": vars(a), "results": results}, fh, indent=1)
+            json.dump({"args": vars(a), "results": results, "medians": medians}, fh,
+                      indent=1)
     if differ:
         raise SystemExit(f"the members of {', '.join(':'.join(p) for p in differ)} did not "
                          f"train the same function (losses differ by more than {LOSS_TOL:g}, "

@@ -82,6 +82,31 @@ def test_paired_smoke(tmp_path):
     assert bad.returncode == 2 and "'A:B'" in bad.stderr
 
 
+def test_paired_runs(tmp_path):
+    """``--runs 3``: every pair three times in fresh processes, the pairs taking turns,
+    and the median of the three ratios with their spread."""
+    report = tmp_path / "paired.json"
+    out = subprocess.run(
+        [sys.executable, str(BENCH.parent / "paired.py"), "--preset", "tiny", "--steps", "5",
+         "--pairs", "zeroshard-2:fsdp2-noreshard,ddp:ddp", "--runs", "3", "--json",
+         str(report)], capture_output=True, text=True, timeout=600, check=True).stdout
+    data = json.loads(report.read_text())
+    pairs = [["zeroshard-2", "fsdp2-noreshard"], ["ddp", "ddp"]]
+    assert [(r["run"], r["pair"]) for r in data["results"]] == [
+        (k, p) for k in range(3) for p in pairs], out
+    assert all(r["same"] for r in data["results"]), out
+    for pair, median in zip(pairs, data["medians"]):
+        ratios = [r["ratio"] for r in data["results"] if r["pair"] == pair]
+        assert median["pair"] == pair and median["ratios"] == ratios, out
+        assert median["median"] == sorted(ratios)[1], out
+        line = next(x for x in out.splitlines() if x.startswith(f"{pair[0]:18} against"))
+        assert f"ratio {sorted(ratios)[1]:.3f}x" in line and "spread" in line, line
+    assert out.count("run 3/3") == 2, out
+    bad = subprocess.run([sys.executable, str(BENCH.parent / "paired.py"), "--runs", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--runs=0 must be at least 1" in bad.stderr
+
+
 def test_paired_ratio():
     sys.path.insert(0, str(BENCH.parent))
     try:
