@@ -5,7 +5,7 @@ and hybrid 2 × 1 × 2, at stages 0-3.
 
 - SGD: the four stages of a layout agree bit for bit after 3 steps, and are within 1e-6
   (max abs, relative to max |w|) of the unsharded model trained in one process on the
-  whole global batch, as is stage 3 on dp 2 × tp 2 after 20 steps.
+  whole global batch; stage 3 on dp 2 × tp 2 within 1e-5 after 20 steps (``TOL_LONG``).
 - The ledger: memory per category between a backward and its step equals the planner's
   (``plan_strategy`` with the architecture, which knows what the plan leaves whole), and
   the bytes of one step per level — ``inside`` and ``across`` the shard groups (plus the
@@ -53,11 +53,19 @@ def test_stages_agree_and_match_one_process(grid, name, layout):
     assert cases.distance(fulls[0], ref) < TOL
 
 
+#: 20 steps on dp 2 × tp 2 against one process. A row-parallel matmul sums its inner
+#: dimension in two halves, one per tp rank, then adds them; one process sums it whole, in
+#: an order the CPU's matmul kernel picks by instruction set. So the distance is rounding
+#: grown over the steps and depends on the CPU: under 1e-6 on an AVX-512 one, 4.7e-6 for
+#: the GPT on an AVX2 one (AMD EPYC). A wrong update lands orders of magnitude farther.
+TOL_LONG = 1e-5
+
+
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_twenty_sgd_steps_stay_within_1e6_of_one_process(grid, name):
+def test_twenty_sgd_steps_stay_within_1e5_of_one_process(grid, name):
     r = grid["parity"]
     full, ref = r[name, "dp2tp2", 3, cases.LONG], r[name, "ref", cases.LONG]
-    assert cases.distance(full, ref) < TOL
+    assert cases.distance(full, ref) < TOL_LONG
 
 
 def _architecture(name, tmp_path):

@@ -1,10 +1,11 @@
 """ZeRO beside tensor parallelism, feature by feature, on 4 gloo ranks as dp 2 × tp 2 (one
 spawn, ``tp_cases.features``; a second of 2 ranks as tp 2 × dp 1), the built-in GPT:
 
-- 20 clipped AdamW steps: stages 0 and 3 agree bit for bit, and stay no farther from
-  the unsharded model (one process, the whole global batch, torch's clipping) than FSDP2
-  + TP on the same mesh, clipped by the global norm made whole per gradient (torch's
-  ``clip_grad_norm_`` refuses FSDP2 + TP's parameters, which sit on two meshes);
+- 20 clipped AdamW steps: stages 0 and 3 agree bit for bit, and stay as close to the
+  unsharded model (one process, the whole global batch, torch's clipping) as FSDP2 + TP
+  on the same mesh (within twice its distance, both rounding), clipped by the global
+  norm made whole per gradient (torch's ``clip_grad_norm_`` refuses FSDP2 + TP's
+  parameters, which sit on two meshes);
 - a NaN in one tp rank's slice skips the step on every rank (with clipping and without);
 - ranks out of step across the tp axis stop every rank, naming each one's collective;
 - zeroshard's checkpoints across tp degrees (dp 2 × tp 2 to dp 4, tp 4, tp 2 × dp 1 and a
@@ -49,12 +50,16 @@ def _equal(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
 
 
-def test_adam_with_clipping_is_no_farther_than_fsdp2_tp(ranks):
+def test_adam_with_clipping_is_as_close_as_fsdp2_tp(ranks):
     r = ranks[0]["adam"]
     assert _equal(r[3], r[0])
     ours, theirs = cases.distance(r[0], r["ref"]), cases.distance(r["fsdp2"], r["ref"])
-    assert ours <= theirs, (ours, theirs)
-    assert theirs < 1e-3
+    # Both are rounding apart from one process (tp splits each row-parallel matmul's sum),
+    # in amounts that depend on the CPU's matmul kernels: ours below FSDP2's on an AVX-512
+    # CPU, 2.0e-5 against 1.6e-5 on an AVX2 one (AMD EPYC). So: as close within a factor
+    # of two, and both far inside what a wrong clip coefficient or update would leave.
+    assert ours <= 2 * theirs, (ours, theirs)
+    assert ours < 1e-4 and theirs < 1e-3, (ours, theirs)
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
