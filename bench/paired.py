@@ -182,6 +182,11 @@ def same_function(pair: tuple[str, str]) -> bool:
     return oa == ob and (oa == "adamw" or not any(i.startswith("fsdp2") for i in (a, b)))
 
 
+def _name(pair: tuple[str, str]) -> list[str]:
+    """A pair as printed and in the JSON: the default optimizer left unnamed."""
+    return [m.removesuffix("@adamw") for m in pair]
+
+
 def _run_pair(pair: tuple[str, str], a: argparse.Namespace, run: int) -> dict:
     """One run of ``pair`` in fresh processes: its result, printed as one line."""
     from zeroshard.runtime.spawn import spawn
@@ -193,7 +198,7 @@ def _run_pair(pair: tuple[str, str], a: argparse.Namespace, run: int) -> dict:
     la, lb = r["loss"]
     tol = LOSS_TOL_COMPILED if any("-compile" in m for m in pair) else LOSS_TOL
     same = abs(la - lb) <= tol * max(1.0, abs(lb))
-    name = [m.removesuffix("@adamw") for m in pair]
+    name = _name(pair)
     sa, sb = (f"{s / 1e6:.3f}" for s in r["state"])
     prefix = f"run {run + 1}/{a.runs}  " if a.runs > 1 else ""
     print(f"{prefix}{name[0]:18} {statistics.median(ta) * 1e3:7.1f} ms  against {name[1]:22} "
@@ -255,7 +260,7 @@ def main() -> None:
     if a.runs > 1:
         print(f"median of {a.runs} runs (each run's own interval in its line above):")
         for pair in pairs:
-            name = [m.removesuffix("@adamw") for m in pair]
+            name = _name(pair)
             ratios = [r["ratio"] for r in results if r["pair"] == name]
             medians.append({"pair": name, "ratios": ratios, "median": statistics.median(ratios)})
             print(f"{name[0]:18} against {name[1]:22} ratio {statistics.median(ratios):.3f}x  "
