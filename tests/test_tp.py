@@ -55,9 +55,9 @@ def test_stages_agree_and_match_one_process(grid, name, layout):
 
 #: 20 steps on dp 2 × tp 2 against one process. A row-parallel matmul sums its inner
 #: dimension in two halves, one per tp rank, then adds them; one process sums it whole, in
-#: an order the CPU's matmul kernel picks by instruction set. So the distance is rounding
-#: grown over the steps and depends on the CPU: under 1e-6 on an AVX-512 one, 4.7e-6 for
-#: the GPT on an AVX2 one (AMD EPYC). A wrong update lands orders of magnitude farther.
+#: an order its CPU's matmul kernel chooses. So the distance is rounding grown over the
+#: steps and moves with the CPU: under 1e-6 on the machine this was first run on, 4.7e-6
+#: for the GPT on an AMD EPYC with AVX2 (the 3-step grids above keep 1e-6 there).
 TOL_LONG = 1e-5
 
 
