@@ -1,5 +1,7 @@
 """A smoke run of the side-by-side benchmark (tiny preset, few steps): every
-implementation trains the same function."""
+implementation trains the same function. The runs of the benchmark scripts themselves
+(each a launch of a few ranks per member) are in the slow tier: what they measure is
+the engine the main tier tests, and their figures come from ``bench/``."""
 
 import json
 import re
@@ -14,6 +16,7 @@ pytestmark = pytest.mark.dist
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "compare.py"
 
 
+@pytest.mark.slow
 def test_compare_smoke():
     out = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--steps", "3", "--rounds", "1", "--impl",
@@ -58,6 +61,7 @@ def test_gloo_collectives_smoke():
     assert float(gather[1]) >= 3.9 and float(gather[2]) < 1.0, out  # a 4 MB buffer, or none
 
 
+@pytest.mark.slow
 def test_paired_smoke(tmp_path):
     """Step-by-step pairs in the same ranks: both members train the same function, and the
     ratio is the median of the per-step ratios inside its bootstrap interval."""
@@ -82,6 +86,7 @@ def test_paired_smoke(tmp_path):
     assert bad.returncode == 2 and "'A:B'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_paired_runs(tmp_path):
     """``--runs 3``: every pair three times in fresh processes, the pairs taking turns,
     and the median of the three ratios with their spread."""

@@ -236,6 +236,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path):
     assert all(torch.equal(weights[k], exported[k]) for k in exported if k in weights)
 
 
+@pytest.mark.slow  # two launches; the engine's resharding: test_resume_at_another_n_and_stage
 def test_trainer_resumes_at_another_nproc_and_stage(tmp_path):
     base = ["train", "--model", "tiny", "--steps", "12", "--eval-every", "100",
             "--sample-chars", "0", "--save-dir"]
@@ -250,6 +251,7 @@ def test_trainer_resumes_at_another_nproc_and_stage(tmp_path):
     assert max(abs(a - b) for a, b in zip(full[6:], resumed)) < 1e-5
 
 
+@pytest.mark.slow  # three launches; --init-from also in test_clear_errors (main tier)
 def test_trainer_init_from_an_export(tmp_path):
     base = ["train", "--model", "tiny", "--eval-every", "100", "--sample-chars", "0"]
     assert main([*base, "--steps", "8", "--save-dir", str(tmp_path / "a"), "--json-log",

@@ -162,6 +162,7 @@ def test_bad_groups_are_named_and_a_mesh_is_taken():
         zs.ZeroConfig(shard_group=0)
 
 
+@pytest.mark.slow  # torchrun's two nodes, whole programs; the groups: test_every_stage_matches_ddp
 def test_two_nodes_of_two_train_sharded_per_node(tmp_path):
     """``zeroshard train --shard-group node`` under torchrun with two nodes of two
     processes, both started on this machine (node ranks from the rendezvous): each node
