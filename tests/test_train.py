@@ -1,8 +1,11 @@
 """`zeroshard train`: configuration, the loss curve across stages and N, the command."""
 
 import json
+import os
+import signal
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,7 @@ from zeroshard.cli import build_parser, main
 from zeroshard.commands.train import _config
 from zeroshard.runtime.spawn import spawn
 from zeroshard.spec.config import ZeroConfig
+from zeroshard.train import early
 from zeroshard.train.config import TrainConfig, engine_keys, from_deepspeed, resolve
 from zeroshard.train.loop import train
 
@@ -72,11 +76,15 @@ def test_memory_summary_of_a_single_step(stage):
     assert (mem["grads"], mem["optimizer"]) == (grads, optimizer)
 
 
-def test_the_command_trains_and_logs(tmp_path, capsys):
+def test_the_command_trains_and_logs(tmp_path, capsys, monkeypatch):
     log = tmp_path / "log.jsonl"
+    handed = []  # what the command's handover to the early launcher returned
+    take = early.take
+    monkeypatch.setattr(early, "take", lambda *a: handed.append(take(*a)) or handed[-1])
     code = main(["train", "--nproc", "2", "--model", "tiny", "--steps", "30", "--eval-every",
                  "15", "--lr", "1e-2", "--json-log", str(log), "--sample-chars", "20"])
     assert code == 0
+    assert len(handed) == 1 and handed[0].returncode == 0  # run by the launcher started early
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
     assert {"loss", "lr", "tokens_per_s", "grad_norm"} <= rows[0].keys()
@@ -156,6 +164,44 @@ def test_bad_flags_fail_before_launch(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1, err  # one line, no traceback or usage dump
+
+
+def _early_launchers() -> list[int]:
+    """This process's children that are launchers started early (``train/early.py``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and early.WAIT_FLAG.encode() in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_command_that_ends_before_launching_leaves_no_launcher(capsys):
+    assert main(["train", "--steps", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    capsys.readouterr()
+    assert _early_launchers() == []
+
+
+def test_the_early_launcher_ignores_ctrl_c_until_handed_its_run_and_ends_quietly(capfd):
+    """Started with SIGINT ignored: a Ctrl-C before the handover leaves it to the command
+    (which kills it); given no run (end of input), it exits 0 and says nothing."""
+    early.start([])
+    proc, early._started = early._started, None
+    try:
+        proc.send_signal(signal.SIGINT)  # while it imports torch: a traceback if not ignored
+        proc.stdin.close()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    out = capfd.readouterr()
+    assert out.out == out.err == "", out
 
 
 def _parse(*argv):

@@ -77,6 +77,18 @@ def _warning_line(command: str):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = argv[0] if argv and argv[0] in COMMANDS else None
+    if selected == "train":  # torch's launcher imports on another core meanwhile
+        from zeroshard.train import early
+
+        early.start(argv[1:])
+    try:
+        return _run(selected, argv)
+    finally:
+        if selected == "train":
+            early.discard()  # unused: the command ended before launching
+
+
+def _run(selected: str | None, argv: list[str]) -> int:
     args = build_parser(selected).parse_args(argv)
     command = f"zeroshard {args.command}"
     shown = warnings.showwarning

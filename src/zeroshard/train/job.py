@@ -18,7 +18,7 @@ import sys
 import traceback
 
 from ..runtime.dist import release_process_groups
-from . import datasource, failure, preflight
+from . import datasource, early, failure, preflight
 from .config import TrainConfig
 from .hfmodel import model_source
 
@@ -66,7 +66,7 @@ def launch(cfg: TrainConfig, debug: bool = False, max_restarts: int = 0) -> int:
         try:
             if corpus is not None:
                 env[datasource.ENV] = str(corpus)
-            return _wait(subprocess.Popen(cmd, env=env))
+            return _wait(early.take(cmd[3:], env) or subprocess.Popen(cmd, env=env))
         finally:
             if corpus is not None:
                 shutil.rmtree(corpus.parent, ignore_errors=True)

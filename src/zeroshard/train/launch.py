@@ -123,5 +123,26 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _from_stdin() -> int:
+    """Started early by the command (``early.py``): import what :func:`main` needs while
+    the command checks its flags, then run what it hands over (nothing: exit quietly)."""
+    import torch.distributed.run  # noqa: F401
+    from torch.distributed.elastic.agent.server import local_elastic_agent  # noqa: F401
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous  # noqa: F401
+
+    from . import early
+
+    run = early.wait_for_run()
+    if run is None:
+        return 0
+    argv, env = run
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored until now
+    return main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from .early import WAIT_FLAG
+
+    sys.exit(_from_stdin() if sys.argv[1:] == [WAIT_FLAG] else main(sys.argv[1:]))
