@@ -193,10 +193,10 @@ def test_the_early_launcher_ignores_ctrl_c_until_handed_its_run_and_ends_quietly
     """Started with SIGINT ignored: a Ctrl-C before the handover leaves it to the command
     (which kills it); given no run (end of input), it exits 0 and says nothing."""
     early.start([])
-    proc, early._started = early._started, None
+    (proc, pipe), early._started = early._started, None
     try:
         proc.send_signal(signal.SIGINT)  # while it imports torch: a traceback if not ignored
-        proc.stdin.close()
+        pipe.close()
         assert proc.wait(timeout=120) == 0
     finally:
         proc.kill()

@@ -123,16 +123,17 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _from_stdin() -> int:
+def _from_pipe(fd: int) -> int:
     """Started early by the command (``early.py``): import what :func:`main` needs while
-    the command checks its flags, then run what it hands over (nothing: exit quietly)."""
+    the command checks its flags, then run what it hands over through pipe ``fd``
+    (nothing: exit quietly)."""
     import torch.distributed.run  # noqa: F401
     from torch.distributed.elastic.agent.server import local_elastic_agent  # noqa: F401
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous  # noqa: F401
 
     from . import early
 
-    run = early.wait_for_run()
+    run = early.wait_for_run(fd)
     if run is None:
         return 0
     argv, env = run
@@ -145,4 +146,5 @@ def _from_stdin() -> int:
 if __name__ == "__main__":
     from .early import WAIT_FLAG
 
-    sys.exit(_from_stdin() if sys.argv[1:] == [WAIT_FLAG] else main(sys.argv[1:]))
+    early_run = sys.argv[1:2] == [WAIT_FLAG]
+    sys.exit(_from_pipe(int(sys.argv[2])) if early_run else main(sys.argv[1:]))
