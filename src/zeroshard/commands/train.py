@@ -31,7 +31,7 @@ from dataclasses import fields, replace
 
 from .._errorline import DEBUG
 from ..spec.config import ZeroConfig
-from ..train import flags, job, launchenv
+from ..train import early, flags, job, launchenv
 from ..train.config import TrainConfig, engine_keys, resolve
 from . import train_adapters
 
@@ -181,8 +181,8 @@ def run(args) -> int:
     with flags.named(args):  # bad input names the flag typed (or the --config key)
         cfg = job.handed_over()
         if cfg is None:  # the command itself, or a rank of torchrun
-            launchenv.check(job.on_a_rank())  # RANK, WORLD_SIZE... left from another launch
+            launchenv.check(early.on_a_rank())  # RANK, WORLD_SIZE... left from another launch
             cfg = _config(args)  # flags checked before anything launches
-        if job.on_a_rank():  # a rank: of this command's launcher, or of torchrun
+        if early.on_a_rank():  # a rank: of this command's launcher, or of torchrun
             return job.run_rank(cfg)
         return job.launch(cfg, debug=args.debug, max_restarts=args.max_restarts)

@@ -33,6 +33,11 @@ WAIT_FLAG = "--run-from-fd"
 _started: tuple[subprocess.Popen, BinaryIO] | None = None  # the launcher, its pipe
 
 
+def on_a_rank() -> bool:
+    """Whether this process is a rank of a job (torchrun's, or ``launch``'s)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def start(argv: list[str]) -> None:
     """Start the launcher for ``zeroshard train`` ``argv`` if this command will launch
     ranks: not on a rank (torchrun's or the launcher's own), not asking for help, and
@@ -40,8 +45,7 @@ def start(argv: list[str]) -> None:
     through a pipe of its own, so its standard input (and the ranks') stays the
     command's."""
     global _started
-    if (_started is not None or "RANK" in os.environ and "WORLD_SIZE" in os.environ
-            or {"-h", "--help"} & set(argv)
+    if (_started is not None or on_a_rank() or {"-h", "--help"} & set(argv)
             or threading.current_thread() is not threading.main_thread()):
         return
     read, write = os.pipe()

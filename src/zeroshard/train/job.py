@@ -34,11 +34,6 @@ def handed_over() -> TrainConfig | None:
     return TrainConfig.from_dict(json.loads(os.environ[CONFIG_ENV]), CONFIG_ENV)
 
 
-def on_a_rank() -> bool:
-    """Whether this process is a rank of a job (torchrun's, or ``launch``'s)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def launch(cfg: TrainConfig, debug: bool = False, max_restarts: int = 0) -> int:
     """Check everything, then run ``cfg.nproc`` local ranks and wait for them; the
     launcher's exit code. ``debug``: the ranks' full tracebacks and the launcher's
