@@ -46,11 +46,12 @@ def test_links_inside_a_node_and_between_replicas():
 
 
 def test_stage0_in_groups_lands_every_replica_all_reduce_on_the_compute_path():
-    # 4 ranks as 2 x 2: each unit's all-reduce over the 2 ranks of a node (0.5 ms) hides
-    # behind backward as at N = 2; at the end of backward each landing waits for the
+    # unit by unit, 4 ranks as 2 x 2: each unit's all-reduce over the 2 ranks of a node
+    # (0.5 ms) hides behind backward as at N = 2; at the end of backward each landing waits for the
     # all-reduce of the whole buffer (500 kB) across the 2 nodes, 0.5 ms at 1 GB/s, in
     # turn: 4 x 0.5 ms exposed, the last inside all-reduce hidden behind the first three
-    t = step_time(TOY, ParallelDims(4, shard=2), config(0), WORK, nodes(TOY_LINK))
+    t = step_time(TOY, ParallelDims(4, shard=2), config(0, reduce_bucket_size=0), WORK,
+                  nodes(TOY_LINK))
     assert t.across == pytest.approx(4 * 0.5 * MS)
     assert t.step == pytest.approx(6 * MS + 4 * PACK + 4 * LAND0 + 2 * MS + 4 * CAST0
                                    + optimizer(0))

@@ -71,9 +71,12 @@ CAST12 = N_ * (2 + 4) / MEM_BW  # stages 1-2: the shard's grads to fp32
 CAST3 = 2 * N_ * (2 + 4) / MEM_BW  # stage 3: grads to fp32, master into w_shard
 
 
-def toy(stage, prefetch=1, micro_batches=1):
-    return step_time(TOY, ON2, config(stage, prefetch=prefetch), WORK, TOY_CLUSTER,
+def toy(stage, prefetch=1, micro_batches=1, **options):
+    return step_time(TOY, ON2, config(stage, prefetch=prefetch, **options), WORK, TOY_CLUSTER,
                      Schedule(1, micro_batches))
+
+
+PER_UNIT = {"reduce_bucket_size": 0}  # stage 0 reducing unit by unit, as stages 1-3 do
 
 
 def optimizer(stage):  # 2·(12 + 2) + 2 = 30 bytes streamed per owned parameter
@@ -107,16 +110,43 @@ def test_flops_per_token():
 
 
 def test_stage0_hides_all_but_the_last_reduction():
-    # forward 2 ms, backward 4 ms (+ a pack before each issue), reductions of 0.5 ms
-    # behind each unit's backward; at the step three landings run while the last
-    # all-reduce is on the wire, then it lands; then the casts around the optimizer
-    t = toy(0)
+    # one reduction per unit (reduce_bucket_size=0): forward 2 ms, backward 4 ms (+ a
+    # pack before each issue), reductions of 0.5 ms behind each unit's backward; at the
+    # step three landings run while the last all-reduce is on the wire, then it lands;
+    # then the casts around the optimizer
+    t = toy(0, **PER_UNIT)
     assert t.compute == pytest.approx(6 * MS)
     assert t.copies == pytest.approx(4 * (PACK + LAND0 + CAST0))
     assert t.step == pytest.approx(6.5 * MS + 4 * PACK + LAND0 + 4 * CAST0 + optimizer(0))
     assert t.exposed == pytest.approx(0.5 * MS - 3 * LAND0)
     assert t.comm == pytest.approx(2 * MS)
     assert t.tokens_per_gpu == pytest.approx(1000 / t.step)
+
+
+def test_stage0_buckets_a_small_models_units_as_the_engine_does():
+    # stage 0's default bucket (DDP's 25 MiB: 13,107,200 bf16 elements) holds all four
+    # 250,000-parameter units, so backward's one reduction leaves when the pass ends:
+    # 4 packs, one all-reduce of the 2 MB (2 ms), then the 4 landings, all exposed
+    t = toy(0)
+    assert ZeroConfig(stage=0, mixed_precision=BF16).reduce_bucket == 13_107_200
+    assert t.compute == pytest.approx(6 * MS)
+    assert t.step == pytest.approx(8 * MS + 4 * (PACK + LAND0 + CAST0) + optimizer(0))
+    assert t.exposed == pytest.approx(2 * MS)
+    assert t.comm == pytest.approx(2 * MS)  # the same bytes as four, in one
+    # a bucket of two units: two reductions of 1 ms, the first behind units 3-4's
+    # backward and landed while the second is on the wire
+    two = step_time(TOY, ON2, config(0, reduce_bucket_size=500_000), WORK, TOY_CLUSTER)
+    assert two.step == pytest.approx(7 * MS + 4 * (PACK + CAST0) + 2 * LAND0 + optimizer(0))
+    # a bucket between unit sizes rounds up to whole units (the reducer issues once it
+    # holds at least the bucket): 300,000 elements take two units, as 500,000 do
+    assert step_time(TOY, ON2, config(0, reduce_bucket_size=300_000), WORK,
+                     TOY_CLUSTER).step == pytest.approx(two.step)
+    # with a latency every reduction pays it: one bucket pays it once, four units four times
+    slow = Cluster(TOY_CLUSTER.accelerator, Network("toy", Link("l", 1e9, 1e-4),
+                                                   Link("l", 1e9, 1e-4)))
+    per_unit = step_time(TOY, ON2, config(0, reduce_bucket_size=0), WORK, slow)
+    bucket = step_time(TOY, ON2, config(0), WORK, slow)
+    assert per_unit.comm - bucket.comm == pytest.approx(3 * 2 * 1e-4)
 
 
 def test_stage1_post_step_gathers_are_exposed():
@@ -160,7 +190,7 @@ def test_stage3_without_prefetch_waits_for_every_gather():
 def test_three_reductions_in_flight_wait_and_slow_links_serialise():
     slow = Link("slow", 0.25e9, 0.0)  # all-reduce of a unit: 2 ms, longer than a backward
     c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
-    t = step_time(TOY, ON2, config(0), WORK, c)
+    t = step_time(TOY, ON2, config(0, **PER_UNIT), WORK, c)
     # only the first pack delays the wire; the last all-reduce lands after the others
     assert t.step == pytest.approx((3 + 4 * 2) * MS + PACK + LAND0 + 4 * CAST0 + optimizer(0))
 
@@ -172,7 +202,7 @@ def test_two_micro_batches_on_a_slow_link():
     # last reduction lands 5 ms after its first unit's backward: 22 ms in all
     slow = Link("slow", 0.25e9, 0.0)
     c = Cluster(TOY_CLUSTER.accelerator, Network("slow", slow, slow))
-    t = step_time(TOY, ON2, config(0), WORK, c, Schedule(micro_batches=2))
+    t = step_time(TOY, ON2, config(0, **PER_UNIT), WORK, c, Schedule(micro_batches=2))
     assert t.step == pytest.approx(22 * MS + 2 * PACK + 2 * LAND0 + 4 * CAST0 + optimizer(0))
 
 
@@ -180,10 +210,10 @@ def test_accumulation_lands_each_backward_before_the_next_forward():
     # each backward ends once its reductions landed (the shards then hold their .grad):
     # the last 0.5 ms all-reduce of every micro-batch is exposed, its landing too, and
     # the others land while it travels
-    assert toy(0, micro_batches=2).step == pytest.approx(
+    assert toy(0, micro_batches=2, **PER_UNIT).step == pytest.approx(
         13 * MS + 8 * PACK + 2 * LAND0 + 4 * CAST0 + optimizer(0))
     # beyond three simulated micro-batches the steady-state increment repeats
-    assert toy(0, micro_batches=5).step == pytest.approx(
+    assert toy(0, micro_batches=5, **PER_UNIT).step == pytest.approx(
         32.5 * MS + 20 * PACK + 5 * LAND0 + 4 * CAST0 + optimizer(0))
     # ZeRO-2's later micro-batches add into grad_shard: no overlap makes it a plain sum
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False))
@@ -263,13 +293,14 @@ def test_copy_bytes_per_stage_by_hand():
 
 
 def test_copies_run_on_the_compute_stream():
-    # memory at 10 GB/s: per unit a pack of 0.1 ms, a stage-0 landing of 0.1 ms, casts of
-    # 0.3 ms; the optimizer 3 ms. Each pack delays its all-reduce (issued at 3.1, 4.2,
-    # 5.3 and 6.4 ms, arriving 0.5 ms later); from 6.4 ms the step lands them one by one
+    # unit by unit, memory at 10 GB/s: per unit a pack of 0.1 ms, a stage-0 landing of
+    # 0.1 ms, casts of 0.3 ms; the optimizer 3 ms. Each pack delays its all-reduce
+    # (issued at 3.1, 4.2, 5.3 and 6.4 ms, arriving 0.5 ms later); from 6.4 ms the step
+    # lands them one by one
     # (6.5, 6.6, 6.7), waits for the last to arrive at 6.9 (0.2 ms exposed) and lands it
     # by 7.0 ms; then 1.2 + 3 ms.
     c = Cluster(Accelerator("slow memory", RATE, 1e10, efficiency=1.0), TOY_CLUSTER.network)
-    t = step_time(TOY, ON2, config(0), WORK, c)
+    t = step_time(TOY, ON2, config(0, **PER_UNIT), WORK, c)
     assert t.step == pytest.approx(11.2 * MS)
     assert t.copies == pytest.approx(4 * (0.1 + 0.1 + 0.3) * MS)
     assert t.exposed == pytest.approx(0.2 * MS)

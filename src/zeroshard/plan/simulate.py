@@ -6,6 +6,8 @@ on the link only where the engine waits (``runtime/schedule/backward.py``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class _Link:
     """One serial channel: collectives run one after another in issue order."""
@@ -29,15 +31,19 @@ def _land(t: float, flying: list[tuple[float, float]]) -> float:
 
 
 def _pass(t: float, link: _Link, units: int, compute: float, gather: float | None,
-          prefetch: int, reduce: float | None, flying: list[tuple[float, float]],
-          bounded: bool = True, unpack: float = 0.0, pack: float = 0.0,
-          land: float = 0.0, upload: float = 0.0) -> float:
+          prefetch: int, reduce: Callable[[int], float] | None,
+          flying: list[tuple[float, float]], bounded: bool = True, unpack: float = 0.0,
+          pack: float = 0.0, land: float = 0.0, upload: float = 0.0, every: int = 1) -> float:
     """One forward (``reduce`` None) or backward pass over ``units`` units; returns the
     compute clock at its end. ``gather`` None: the weights are already whole;
-    ``bounded``: at most two reductions in flight; ``unpack``, ``pack``, ``land``: copy
-    seconds of a gather, before a reduction is issued, after it is waited; ``upload``:
-    seconds of the shard's copy to the device before each gather is issued (offload)."""
+    ``reduce(n)``: seconds of one reduction of n units' gradients, issued once ``every``
+    units are done (``Reducer._bucket_add``: a bucket of ``reduce_bucket`` elements) and
+    for the rest when the pass ends; ``bounded``: at most two reductions in flight;
+    ``unpack``, ``pack``, ``land``: copy seconds per unit of a gather, before a reduction
+    is issued, after it is waited; ``upload``: seconds of the shard's copy to the device
+    before each gather is issued (offload)."""
     landed: dict[int, float] = {}
+    pending = 0  # units done whose reduction waits for a fuller bucket
     for k in range(units):
         if gather is not None:
             if k not in landed:  # gathered on use
@@ -50,11 +56,24 @@ def _pass(t: float, link: _Link, units: int, compute: float, gather: float | Non
                     landed[j] = link.run(t, gather)
         t += compute
         if reduce is not None:
-            t += pack  # issue_reduce packs the buffer, then issues
-            flying.append((link.run(t, reduce), land))
+            pending += 1
+            if pending < every and k < units - 1:
+                continue
+            t += pending * pack  # issue_reduce packs the bucket, then issues
+            flying.append((link.run(t, reduce(pending)), pending * land))
+            pending = 0
             if bounded and len(flying) > 2:  # a third in flight: the oldest lands first
                 t = _land(t, [flying.pop(0)])
     return t
+
+
+def units_per_reduction(bucket: int, unit_elements: float, units: int) -> int:
+    """Units one reduction carries: one unit where there is no bucket (``bucket`` 0),
+    else as many as fill ``bucket`` elements (the reducer issues once a bucket holds at
+    least that many), at most all of them."""
+    if bucket <= 0 or unit_elements <= 0:
+        return 1
+    return max(1, min(units, -(-int(bucket) // max(1, int(unit_elements)))))
 
 
 def _sync(t: float, link: _Link, units: int, gather: float, make: float,

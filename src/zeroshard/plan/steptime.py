@@ -22,6 +22,9 @@ order; the compute stream waits on them only where the engine waits:
 - every stage reduces each unit's gradients once its backward is done, in reverse
   forward order — stages 1–3 with at most two in flight (a third waits for the oldest),
   stage 0 without a bound — hidden behind the backward of the units still to come;
+  a reduction carries as many units as fill ``ZeroConfig.reduce_bucket`` elements (stage
+  0's default: torch DDP's 25 MiB, so a small model's units share a few reductions;
+  stages 1–3: one unit each), the units left at the end of the pass in one more;
   each backward ends once all of them have landed (every shard then holds its
   gradient, as in FSDP2): the last is exposed, and with accumulation the next
   micro-batch's forward starts after it;
@@ -89,7 +92,7 @@ from .hardware import Cluster, Link
 from .layout import check_layout, secondary
 from .memory import STRATEGIES
 from .offload import disk_seconds, host_step_bytes, master_bytes
-from .simulate import _land, _Link, _pass, _sync
+from .simulate import _land, _Link, _pass, _sync, units_per_reduction
 from .tp import tp_layer_collectives, tp_params, tp_root_bytes
 from .workload import Workload
 
@@ -232,11 +235,17 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     gather_back = gather if k2 is None else ring_time(
         "all_gather", unit_params * recipe.weight_bytes, k2, cluster.link(k2 * tp))
     scatters = policy.reduce == "reduce_scatter"
+    # one reduction of n units' gradients (a bucket: ZeroConfig.reduce_bucket elements)
     if config.quantize_grads:  # an all-to-all on every backend
-        reduce = ring_time("reduce_scatter", quantized, dp, link)
+        def reduce(n: int) -> float:
+            return ring_time("reduce_scatter", n * quantized, dp, link)
     else:  # gloo has no reduce-scatter: the engine all-reduces there
-        reduce = ring_time("reduce_scatter" if scatters and not gloo else "all_reduce",
-                           unit_params * recipe.reduce_bytes, dp, link)
+        def reduce(n: int) -> float:
+            return ring_time("reduce_scatter" if scatters and not gloo else "all_reduce",
+                             n * unit_params * recipe.reduce_bytes, dp, link)
+    every = units_per_reduction(config.reduce_bucket, unit_params, units)
+    # a step's reductions: full buckets of ``every`` units, and the rest in one
+    reductions = units // every * reduce(every) + (reduce(units % every) if units % every else 0)
     # hybrid sharding: the reduced slot (stage 0: the whole buffer) over the R replicas
     across = ring_time("all_reduce", unit_params * recipe.reduce_bytes / (dp if scatters else 1),
                        replicas, cluster.link(replicas, stride=dp * tp))
@@ -253,7 +262,8 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     for i in range(min(schedule.micro_batches, SIMULATED)):
         t = _pass(t, line, units, f_unit, g, pf, None, [], unpack=unpack, upload=upload)
         t = _pass(t, line, units, b_unit, g_back, pf, reduce, flying, bounded, unpack_back, pack,
-                  (cost.land if i == 0 else cost.land_more) / bw + across + down, upload)
+                  (cost.land if i == 0 else cost.land_more) / bw + across + down, upload,
+                  every)
         t = _land(t, flying)  # a backward ends once its reductions landed: shards hold .grad
         ends.append(t)
     extra = schedule.micro_batches - len(ends)
@@ -284,7 +294,7 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     tp_comm = a * (model.layers * (r + c + r * ckpt) * tp_ar + tp_root)
     copies = cost.per_step(units, a) / bw
     gathers = units * (gather + gather_back) if policy.shards_params else 0.0
-    comm = a * (gathers + units * (reduce + across)) + post
+    comm = a * (gathers + reductions + units * across) + post
     pcie = units * (a * (down + 2 * upload) + back)
     if not cluster.network.overlap:
         t = compute + tp_comm + optimizer + disk_wait + copies + comm + pcie
