@@ -552,9 +552,10 @@ def misuse_grid():
 
 
 def collectives_grid():
-    """The engine's reduce-scatter and all-gather (on gloo: an all-reduce in place and
-    N broadcasts, ``runtime/comm/collectives.py``) against torch's own, bit for bit, over the
-    whole world and over two halves of it; then stages 0-3 trained over the halves."""
+    """The engine's reduce-scatter and all-gather (on gloo: a pairwise exchange at two
+    ranks, else an all-reduce in place, and N broadcasts, ``runtime/comm/collectives.py``)
+    against torch's own, bit for bit, over the whole world and over two halves of it;
+    then stages 0-3 trained over the halves."""
     from zeroshard.runtime.comm import collectives
     from zeroshard.runtime.comm.collectives import Collectives
     from zeroshard.runtime.ledger import Ledger
@@ -581,8 +582,13 @@ def collectives_grid():
             dist.reduce_scatter_tensor(ref, inp.clone(), group=group)
             got = torch.empty(1001, dtype=dtype)
             comm.trace = []  # profiling: the record of the first wait must stand
-            work = comm.reduce_scatter(got, inp.clone(), async_op=True)
+            sent = inp.clone()
+            work = comm.reduce_scatter(got, sent, async_op=True)
             work.wait()
+            # two ranks exchange slots (the other slot of the input is left as it was:
+            # half an all-reduce's bytes); more sum the whole input in place
+            other = (r + 1) % n
+            untouched = torch.equal(sent.view(n, -1)[other], inp.view(n, -1)[other])
             got_once, done = got.clone(), comm.trace[0]["done"]
             work.wait()  # a bucket's units each wait: the result must not change
             traced = comm.trace[0]["done"] == done
@@ -599,6 +605,7 @@ def collectives_grid():
             comm.all_gather(inplace, inplace[r], async_op=True).wait()
             out[(name, str(dtype))] = {
                 "reduce_scatter": torch.equal(got_once, ref) and torch.equal(got, ref),
+                "pairwise_at_two": untouched == (n == 2),
                 "traced_once": traced,
                 "mean": torch.equal(averaged, ref / n),  # the same bits as dividing after
                 "all_gather": torch.equal(gathered.view(-1), ref_g),

@@ -59,6 +59,8 @@ def test_gloo_collectives_smoke():
     assert all(r[3] == "True" for r in rows), out
     gather = next(r for r in rows if r[0] == "all_gather")
     assert float(gather[1]) >= 3.9 and float(gather[2]) < 1.0, out  # a 4 MB buffer, or none
+    # the reduce-scatter written from sends sums what the all-reduce does
+    assert "reduce_scatter as a ring of sends" in out and "1e-6: True" in out, out
 
 
 @pytest.mark.slow

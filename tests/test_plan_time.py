@@ -233,7 +233,7 @@ def test_without_overlap_every_collective_adds():
     assert t.exposed == pytest.approx(3 * MS)
 
 
-def test_gloo_reduces_as_all_reduce_and_counts_its_copies():
+def test_gloo_reduces_as_all_reduce_or_an_exchange_and_counts_its_copies():
     # one unit of Q = 1,000 over N = 4 (n = 250): on gloo stages 1-3 divide the reduced
     # slot as it leaves the all-reduced buffer (the same bytes as dividing in place) and
     # stage 3 copies its shard into the gather's slot (2·n·w); nothing else changes
@@ -254,15 +254,25 @@ def test_gloo_reduces_as_all_reduce_and_counts_its_copies():
     on1 = ParallelDims(1)
     assert all(copy_bytes(config(s, mixed), on1, 1000, gloo=True) == copy_bytes(
         config(s, mixed), on1, 1000) for s in range(4))
-    # without overlap every collective adds: stage 3's 4 reductions now take an
-    # all-reduce's 0.5 ms (8 gathers of 0.25 ms as before)
+    # between two gloo ranks a reduction is an exchange of slots: the received slot is
+    # added to this rank's own part before the divide, 3·n·r more (n = 500, r = 4)
+    pair = [copy_bytes(config(s, mixed), ON2, 1000, gloo=True).land
+            - copy_bytes(config(s, mixed), ON2, 1000).land for s in range(4)]
+    assert pair == [0, 6000, 6000, 6000]
+    # without overlap every collective adds: at N = 2 stage 3's 4 reductions take a
+    # reduce-scatter's 0.25 ms (the exchange sends the ring's bytes), as its 8 gathers do
     c = Cluster(TOY_CLUSTER.accelerator, Network("cpu", TOY_LINK, TOY_LINK, overlap=False,
                                                  gloo=True))
     t = step_time(TOY, ON2, config(3), WORK, c)
     copies = 4 * (2 * UNPACK + PACK + LAND1 + CAST3)
     extra = 4 * 2 * (2 * N_ * 2) / MEM_BW  # per unit: two gathers' inputs into their slot
-    assert t.copies == pytest.approx(copies + extra)
-    assert t.step == pytest.approx(10 * MS + copies + extra + optimizer(3))
+    added = 4 * 3 * N_ * 2 / MEM_BW  # per unit: the exchange's add
+    assert t.copies == pytest.approx(copies + extra + added)
+    assert t.step == pytest.approx(9 * MS + copies + extra + added + optimizer(3))
+    # at N = 4 each reduction is an all-reduce of the unit's 500 kB: 2·3/4·0.5 ms, twice
+    # the reduce-scatter's time, beside 8 gathers of 3/4·0.5 ms
+    t4 = step_time(TOY, on4, config(3), WORK, c)
+    assert t4.comm == pytest.approx(8 * 0.375 * MS + 4 * 0.75 * MS)
 
 
 def test_copy_bytes_per_stage_by_hand():

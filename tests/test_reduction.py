@@ -47,12 +47,14 @@ def test_demo_zero1_is_exact_n4(grid):
 
 
 def test_collectives_match_torch_n4(grid):
-    """gloo's reduce-scatter and all-gather as the engine runs them (an all-reduce in
-    place, N broadcasts; torch's all-gather above GLOO_BROADCAST_MAX ranks) give torch's
-    results bit for bit, on the world and on a sub-group, in fp32 and bf16, in place,
-    and unchanged by a second wait (as is the profiler's record of it); the ledger records
-    the collective the algorithm performs. Sub-groups' reduction twins are created on
-    every rank, so ranks in different numbers of other groups still meet."""
+    """gloo's reduce-scatter and all-gather as the engine runs them (a pairwise exchange
+    of slots in a group of two, which leaves the other slot of its input unsummed, else
+    an all-reduce in place; N broadcasts; torch's all-gather above GLOO_BROADCAST_MAX
+    ranks) give torch's results bit for bit, on the world and on a sub-group, in fp32
+    and bf16, in place, and unchanged by a second wait (as is the profiler's record of
+    it); the ledger records the collective the algorithm performs. Sub-groups'
+    reduction twins are created on every rank, so ranks in different numbers of other
+    groups still meet."""
     r = grid["collectives"]
     for group in ("world", "half", "world_all_gather", "world_explicit"):
         for dtype in ("torch.float32", "torch.bfloat16"):

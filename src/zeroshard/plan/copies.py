@@ -46,7 +46,8 @@ class CopyBytes:
     """The step's first backward, ``wait_reduce``: stage 0 ``_land_full_grads`` divides
     the [N, ·] buffer by N into the full gradients in one pass (``Q·(r + g)``); stages 1-3
     divide the [S] slot (``2·Q·r/N``: in place, or on gloo as it is copied out of the
-    all-reduced buffer) and make ``grad_shard`` by a cast if r ≠ g (``Q·(r+g)/N``), else
+    all-reduced buffer; between two gloo ranks after adding this rank's own part to the
+    received one, ``3·Q·r/N`` more) and make ``grad_shard`` by a cast if r ≠ g (``Q·(r+g)/N``), else
     as a view of the result."""
     land_more: float
     """Later backwards of the step: stages 2-3 ``add_`` into ``grad_shard``
@@ -101,14 +102,18 @@ def copy_bytes(config: ZeroConfig, dims: ParallelDims, unit_params: float,
                   recipe.master_bytes)
     wd, gd, md = recipe.param_dtype, recipe.grad_dtype, recipe.master_dtype
     rd = recipe.reduce_dtype or gd
+    gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
+    # gloo's reduce-scatter between two ranks: the received slot plus this rank's own,
+    # added into the output before the divide (runtime/comm/collectives.py)
+    pairwise = 3 * n * r if gloo and dp == 2 and not config.quantize_grads else 0.0
     if policy.averages_grads:
         land = Q * (r + g)  # _land_full_grads: divide, cast and copy in one pass
         land_more = land
     else:
-        land = 2 * n * r + _cast(n, rd, gd, r, g)
+        land = 2 * n * r + pairwise + _cast(n, rd, gd, r, g)
         # stage 1 lands each reduction as the first; stages 2-3 add into the shard
-        land_more = land if policy.keeps_local_grads else 2 * n * r + n * (r + 2 * g)
-    gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
+        land_more = (land if policy.keeps_local_grads else
+                     2 * n * r + pairwise + n * (r + 2 * g))
     # an all-gather on gloo: the input into its slot (stage 3; the stage 1-2 input is
     # written there) up to GLOO_BROADCAST_MAX ranks, above it torch's copy out of a flat
     # buffer

@@ -116,7 +116,8 @@ class Network:
     every second of communication adds to the step."""
     gloo: bool = False
     """The collectives run on gloo, where the engine realises a reduce-scatter as an
-    all-reduce in place (twice the ring bytes; its slot is divided on the way out) and an
+    all-reduce in place (twice the ring bytes; its slot is divided on the way out; between
+    two ranks an exchange of slots, the ring's bytes, added and divided after) and an
     all-gather as N broadcasts in place (the shard copied into its slot first; above
     ``GLOO_BROADCAST_MAX`` ranks torch's all-gather, its output copied out of a flat
     buffer); see ``runtime/comm/collectives.py``."""

@@ -239,10 +239,10 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     if config.quantize_grads:  # an all-to-all on every backend
         def reduce(n: int) -> float:
             return ring_time("reduce_scatter", n * quantized, dp, link)
-    else:  # gloo has no reduce-scatter: the engine all-reduces there
+    else:  # on gloo the engine all-reduces, except between two ranks (an exchange)
         def reduce(n: int) -> float:
-            return ring_time("reduce_scatter" if scatters and not gloo else "all_reduce",
-                             n * unit_params * recipe.reduce_bytes, dp, link)
+            kind = "reduce_scatter" if scatters and (not gloo or dp == 2) else "all_reduce"
+            return ring_time(kind, n * unit_params * recipe.reduce_bytes, dp, link)
     every = units_per_reduction(config.reduce_bucket, unit_params, units)
     # a step's reductions: full buckets of ``every`` units, and the rest in one
     reductions = units // every * reduce(every) + (reduce(units % every) if units % every else 0)
