@@ -3,28 +3,8 @@ it in the ledger. Gradients and parameters travel on separate process groups so 
 a rank whose reductions start late (an unused parameter) cannot pair its reduce with
 another rank's gather: each group sees its collectives in the same order on every rank.
 
-[Note: gloo] On CPU tensors over gloo, reduce-scatter and all-gather are realised with
-gloo's in-place collectives instead of torch's gloo reduce-scatter and all-gather, which
-stage their data through extra full-size copies:
-
-- gloo's reduce-scatter runs an all-reduce on a copy of its input. An all-reduce of the
-  input in place, then this rank's slot copied out, sums every element in the same
-  order (the same bits) without the copy; ``bench/gloo_collectives.py`` on 2 CPU cores,
-  2-4 ranks, a 7 MB buffer: 0.70-0.85x the time, and no copy of the input in flight.
-  In a group of two ranks it is a pairwise exchange instead: each rank sends the other
-  its slot and receives its own into the output, then adds its own part — half the
-  bytes of the all-reduce (which also sends the summed slot back), and the same bits,
-  as a + b = b + a in floating point. 43 MB at 2 ranks: 0.46-0.48x the all-reduce's
-  time and CPU. From three ranks a ring of sends would add in another order than the
-  all-reduce torch DDP makes (stages 1-3 would no longer match it, nor stage 0, bit for
-  bit), so it stays the all-reduce there.
-- gloo's all-gather gathers into a fresh flat buffer the size of the output and copies
-  it out when done. N broadcasts in place, rank k's from rank k into slot k of the
-  output, move the same bytes per rank and need no buffer: 0.66-0.80x the time, and one
-  output-sized buffer less in flight (at stage 3 a prefetched unit held twice its size).
-  Up to ``GLOO_BROADCAST_MAX`` ranks only, the range measured: each broadcast is a
-  binomial tree of ⌈log2 N⌉ hops, and past a few ranks N of them, two at a time on
-  gloo's worker threads, are not known to beat its all-gather.
+On CPU tensors over gloo, reduce-scatter and all-gather run as ``gloo.py`` builds them
+([Note: gloo]): in place, and between two ranks as an exchange.
 
 The ledger records the collective the algorithm performs (ZeRO's accounting), so
 measured and planned bytes stay the same quantity whatever the backend runs.
@@ -40,7 +20,8 @@ import torch.distributed as dist
 from ...spec.formulas import GLOO_BROADCAST_MAX
 from ..ledger import Ledger
 from ..mesh import Mesh
-from . import watch
+from . import gloo, watch
+from .gloo import Then
 from .quantize import (
     QUANT_BLOCK,
     quantized_all_gather,
@@ -139,34 +120,18 @@ class Collectives:
                                                 async_op=True)
             inside = self._issue("reduce_scatter", inp, unit, call, True,
                                  nbytes=k * quantized_nbytes(out.numel(), self.quant_block))
-        elif self._on_gloo(inp) and k == 2:  # [Note: gloo]: a pairwise exchange
-            def call():
-                me, dst = self.mesh.shard_rank, out.view(-1)
-                slots, group = inp.view(2, -1), self.mesh.reduce_group
-                tag = self.seq % 2**31  # alike on both ranks: pairs their messages
-                works = dist.batch_isend_irecv([
-                    dist.P2POp(dist.isend, slots[1 - me], group=group, group_peer=1 - me,
-                               tag=tag),
-                    dist.P2POp(dist.irecv, dst, group=group, group_peer=1 - me, tag=tag)])
-
-                def then():
-                    dst.add_(slots[me])  # the peer's part + this rank's: the sum's bits
-                    if divisor:
-                        dst.div_(divisor)
-                return _Then(*works, then=then)
-            inside = self._issue("reduce_scatter", inp, unit, call, True)
-        elif self._on_gloo(inp):  # [Note: gloo]
-            def call():
-                work = dist.all_reduce(inp, group=self.mesh.reduce_group, async_op=True)
-                slot, dst = inp.view(k, -1)[self.mesh.shard_rank], out.view(-1)
-                return _Then(work, then=(lambda: torch.div(slot, divisor, out=dst)) if divisor
-                             else (lambda: dst.copy_(slot)))
-            inside = self._issue("reduce_scatter", inp, unit, call, True)
+        elif self._on_gloo(inp) and k == 2:  # [Note: gloo]: an exchange of slots
+            inside = self._issue("reduce_scatter", inp, unit, lambda: gloo.exchange_slots(
+                out, inp, self.mesh.reduce_group, self.mesh.shard_rank, self.seq, divisor),
+                True)
+        elif self._on_gloo(inp):  # [Note: gloo]: an all-reduce in place
+            inside = self._issue("reduce_scatter", inp, unit, lambda: gloo.all_reduce_slot(
+                out, inp, self.mesh.reduce_group, k, self.mesh.shard_rank, divisor), True)
         else:
             def call():
                 work = _reduce_scatter(out.view(-1), inp.view(-1), group=self.mesh.reduce_group,
                                        async_op=True)
-                return _Then(work, then=(lambda: out.div_(divisor)) if divisor else None)
+                return Then(work, then=(lambda: out.div_(divisor)) if divisor else None)
             inside = self._issue("reduce_scatter", inp, unit, call, True)
         return self._then_across(inside, out.view(-1), n if mean else None, unit, True,
                                  async_op)
@@ -197,13 +162,9 @@ class Collectives:
         if secondary:
             k, group = self.mesh.secondary_world, self.mesh.secondary_group
         rank = self.mesh.secondary_rank if secondary else self.mesh.shard_rank
-        if self.mesh.gloo and out.device.type == "cpu" and 1 < k <= GLOO_BROADCAST_MAX:  # gloo
-            def call():
-                slots = out.view(k, -1)  # [K, numel(inp)]
-                if slots[rank].data_ptr() != inp.data_ptr():
-                    slots[rank].copy_(inp.view(-1))
-                return _Then(*[dist.broadcast(slots[j], group_src=j, group=group,
-                                              async_op=True) for j in range(k)])
+        if self.mesh.gloo and out.device.type == "cpu" and 1 < k <= GLOO_BROADCAST_MAX:
+            def call():  # [Note: gloo]: N broadcasts in place
+                return gloo.broadcast_slots(out, inp, group, k, rank)
         else:
             def call():
                 return _all_gather(out.view(-1), inp.view(-1), group=group, async_op=True)
@@ -260,23 +221,6 @@ class Collectives:
         return self._issue("broadcast", t, None, lambda: dist.broadcast(
             t, src=root, group=group, async_op=True), False, world=world,
             level="tp" if tp else "inside")
-
-
-class _Then:
-    """Work handles waited as one, then ``then()`` once: ``wait()`` may be called again
-    (the units of a reduce bucket share one handle) and does nothing more."""
-
-    def __init__(self, *works, then=None):
-        self.works, self.then, self.done = works, then, False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        for w in self.works:
-            w.wait()
-        if self.then is not None:
-            self.then()
-        self.done = True
 
 
 class _Across:
