@@ -104,7 +104,7 @@ def copy_bytes(config: ZeroConfig, dims: ParallelDims, unit_params: float,
     rd = recipe.reduce_dtype or gd
     gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
     # gloo's reduce-scatter between two ranks: the received slot plus this rank's own,
-    # added into the output before the divide (runtime/comm/collectives.py)
+    # added into the output before the divide (runtime/comm/gloo.py)
     pairwise = 3 * n * r if gloo and dp == 2 and not config.quantize_grads else 0.0
     if policy.averages_grads:
         land = Q * (r + g)  # _land_full_grads: divide, cast and copy in one pass

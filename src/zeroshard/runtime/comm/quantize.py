@@ -18,7 +18,7 @@ lost), and the engine's non-finite check still sees it.
 On the wire each slot is one int8 row ``[scales as 4⌈n/B⌉ bytes | q as n bytes]``: one
 collective per call, n + 4⌈n/B⌉ bytes per slot (1 + 4/B bytes per element, no padding).
 
-[Note: gloo] torch 2.13's gloo runs ``all_to_all_single`` (even splits) and
+[Note: quantized on gloo] torch 2.13's gloo runs ``all_to_all_single`` (even splits) and
 ``all_gather_single`` on int8 CPU tensors, as NCCL does on CUDA, so qgZ is a real
 all-to-all on both; checked by ``tests/test_quantize.py``.
 """
