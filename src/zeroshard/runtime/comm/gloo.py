@@ -14,7 +14,7 @@ full-size copies; the engine's use gloo's in-place collectives and point-to-poin
   the other the slot it does not keep and receives its own into the output, then adds
   its own part — half the bytes of the all-reduce (which also sends the summed slots
   back), and the same bits, as a + b = b + a in floating point. 43 MB at 2 ranks:
-  0.46-0.48x the all-reduce's time and CPU. From three ranks a ring of sends would add
+  0.46-0.49x the all-reduce's time and CPU. From three ranks a ring of sends would add
   in another order than the all-reduce torch DDP makes (stages 1-3 would no longer match
   it, nor stage 0, bit for bit), so it stays the all-reduce there.
 - gloo's all-gather gathers into a fresh flat buffer the size of the output and copies
