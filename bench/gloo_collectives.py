@@ -1,5 +1,6 @@
 """torch's gloo reduce-scatter and all-gather against the engine's (``Collectives``:
-an all-reduce in place, N broadcasts in place), at 2-4 ranks; and a reduce-scatter
+an exchange of slots at 2 ranks, else an all-reduce in place; N broadcasts in place),
+at 2-4 ranks; and a reduce-scatter
 written from point-to-point sends, the one way to move half an all-reduce's bytes on
 gloo.
 

@@ -553,7 +553,7 @@ def misuse_grid():
 
 def collectives_grid():
     """The engine's reduce-scatter and all-gather (on gloo: a pairwise exchange at two
-    ranks, else an all-reduce in place, and N broadcasts, ``runtime/comm/collectives.py``)
+    ranks, else an all-reduce in place, and N broadcasts, ``runtime/comm/gloo.py``)
     against torch's own, bit for bit, over the whole world and over two halves of it;
     then stages 0-3 trained over the halves."""
     from zeroshard.runtime.comm import collectives

@@ -53,15 +53,15 @@ def launch(cfg: TrainConfig, debug: bool = False, max_restarts: int = 0) -> int:
     if debug:
         env[failure.DEBUG] = "1"
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
-    cmd = [sys.executable, "-m", "zeroshard.train.launch",  # torchrun, on loopback only
-           "--nproc-per-node", str(cfg.nproc), "--max-restarts", str(max_restarts),
-           "-m", "zeroshard", "train"]
+    launch_argv = ["--nproc-per-node", str(cfg.nproc), "--max-restarts", str(max_restarts),
+                   "-m", "zeroshard", "train"]  # torchrun's, on loopback only
     with held:
         corpus = datasource.prepare(cfg, source.vocab, source.seq_len)  # tokenized once, here
         try:
             if corpus is not None:
                 env[datasource.ENV] = str(corpus)
-            return _wait(early.take(cmd[3:], env) or subprocess.Popen(cmd, env=env))
+            return _wait(early.take(launch_argv, env) or subprocess.Popen(
+                [sys.executable, "-m", "zeroshard.train.launch", *launch_argv], env=env))
         finally:
             if corpus is not None:
                 shutil.rmtree(corpus.parent, ignore_errors=True)
