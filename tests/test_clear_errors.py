@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from zeroshard._paths import RECORD
 from zeroshard.checkpoint import savedir
 from zeroshard.checkpoint.consolidated import _weight_map, export
 from zeroshard.checkpoint.exportdir import INDEX, SINGLE
@@ -58,7 +59,7 @@ def test_a_re_export_leaves_no_stale_shards_or_index(ckpt, tmp_path):
     (out / f".{SINGLE}.partial").write_text("left by an export that was stopped")
     single = export(ckpt / "latest", out, dtype="bf16")  # the pointer file itself
     assert list(single) == [SINGLE]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", SINGLE]
+    assert sorted(p.name for p in out.iterdir()) == [RECORD, "config.json", SINGLE]
     assert set(_weight_map(out).values()) == {out / SINGLE}  # the new weights are read
 
 
@@ -98,7 +99,8 @@ def _folders(root: Path, manifests: int) -> list[Path]:
     made = []
     for k in range(1, manifests + 1):
         (root / f"step-{k:06d}").mkdir()
-        (root / f"step-{k:06d}" / "manifest.json").write_text("{}")
+        (root / f"step-{k:06d}" / "manifest.json").write_text(
+            '{"format": "zeroshard-checkpoint", "files": {}}')
         made.append(root / f"step-{k:06d}")
         time.sleep(0.01)  # distinct modification times
     return made

@@ -3,6 +3,7 @@ timeout, and is named; ranks out of step fail at once, each position named (real
 ranks); a save folder that cannot take the run's checkpoints, or that another run
 holds, stops the run before it starts."""
 
+import errno
 import json
 import os
 import signal
@@ -178,10 +179,19 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
 
 
 def _final_save_blocked(folder: str):
+    from zeroshard.checkpoint import sharded
     from zeroshard.checkpoint.sharded import SaveFailed
     from zeroshard.train.config import TrainConfig
     from zeroshard.train.loop import train
 
+    write = sharded.write_tensors
+
+    def full_at_the_end(path, *args, **kwargs):  # the disk fills before the last save
+        if "step-000004" in path:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write(path, *args, **kwargs)
+
+    sharded.write_tensors = full_at_the_end
     try:
         train(TrainConfig(model="tiny", steps=4, batch=4, eval_every=100, eval_batches=1,
                           sample_chars=0, save_dir=folder, save_every=2))
@@ -192,10 +202,9 @@ def _final_save_blocked(folder: str):
 
 @pytest.mark.dist
 def test_a_final_save_that_fails_twice_states_what_is_lost(tmp_path, capfd):
-    """A file where the last checkpoint's unfinished copy goes: its save fails, is
-    tried once more, and the error names the last complete checkpoint and the steps
-    no checkpoint holds."""
-    (tmp_path / "step-000004.partial").write_text("in the way")
+    """The disk fills before the last checkpoint: its save fails, is tried once more,
+    and the error names the last complete checkpoint and the steps no checkpoint
+    holds."""
     msgs = spawn(_final_save_blocked, 2, str(tmp_path), timeout=120)
     assert msgs[0] == msgs[1], msgs
     assert "checkpoint not saved: " in msgs[0] and ", twice. Trained through step 4; the " \

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .sanity import check_target
+
 _JSON = (str, int, float, bool, type(None))
 
 
@@ -75,14 +77,22 @@ def check_save(model, optimizer, path, extra) -> None:
         raise ValueError(f"zs.save(): optimizer={_what(bad or optimizer)}; expected a torch "
                          "optimizer of the model's parameters, a list of them (Muon beside "
                          "AdamW), or None")
-    problem = None
-    if extra is not None and not isinstance(extra, dict):
-        problem = f"zs.save(): extra is a {_what(extra)}; expected a dict (JSON) or None"
-    elif extra is not None:
-        problem = _not_json(extra, "extra")
-        problem = problem and f"zs.save(): {problem}"
     problems = [None] * model.mesh.dp_world
-    dist.all_gather_object(problems, problem, group=model.mesh.dp_group)
+    dist.all_gather_object(problems, _save_problem(path, extra), group=model.mesh.dp_group)
     first = next((p for p in problems if p), None)
     if first:
         raise ValueError(first)
+
+
+def _save_problem(path, extra) -> str | None:
+    """What this rank finds wrong with a save to ``path`` of ``extra``: a path the save
+    would replace that is not a checkpoint's (``sanity.check_target``), or an ``extra``
+    the manifest cannot hold; None if nothing."""
+    try:
+        check_target(Path(path), f"zs.save(): path={str(path)!r}")
+    except ValueError as exc:
+        return str(exc)
+    if extra is not None and not isinstance(extra, dict):
+        return f"zs.save(): extra is a {_what(extra)}; expected a dict (JSON) or None"
+    found = _not_json(extra, "extra") if extra is not None else None
+    return found and f"zs.save(): {found}"

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 LOCK = ".zeroshard-lock"
@@ -28,12 +30,22 @@ def checkpoint_bytes(params: int, recipe) -> int:
     return params * (master + recipe.optimizer_bytes - recipe.master_bytes)
 
 
-def check(path: str | Path, need: int) -> None:
-    """``path`` can be created, written, and holds ``need`` free bytes."""
+def check(path: str | Path, need: int, due: Callable[[int], bool] = lambda step: False,
+          last: int = 0) -> None:
+    """``path`` can be created, written, and holds ``need`` free bytes; the checkpoints
+    the run will save there (its last step ``last`` and every step before it ``due``
+    says) replace only what saves wrote ([Note: a writer owns only what it wrote] in
+    ``sanity.py``)."""
     from .._paths import folder
+    from .sanity import check_target
 
     path = Path(path)
     folder("save_dir", path)
+    steps = {last} | {int(m.group(1)) for e in path.iterdir()
+                      if (m := re.fullmatch(r"step-(\d{6,})(\.partial|\.old)?", e.name))
+                      and int(m.group(1)) <= last and due(int(m.group(1)))}
+    for step in sorted(steps):
+        check_target(path / f"step-{step:06d}", f"save_dir={str(path)!r}", whole=False)
     free = shutil.disk_usage(path).free
     if free < need:
         raise ValueError(f"save_dir={str(path)!r} has {free / 1e9:.2f} GB free; a checkpoint "
@@ -85,12 +97,15 @@ def prune(path: str | Path, keep: int) -> list[Path]:
     """Remove all but the ``keep`` trainer checkpoints (``step-NNNNNN``) saved last in
     ``path`` (by when their manifest was written, so a run resumed from an older step
     keeps what it saved, not the highest step numbers), never the one ``latest`` names;
-    other folders are not the trainer's to remove. Returns those removed."""
-    from .sharded import MANIFEST, resolve
+    other folders, and step folders holding anything besides their checkpoint, are not
+    the trainer's to remove. Returns those removed."""
+    from .sanity import MANIFEST, pure_checkpoint
+    from .sharded import resolve
 
     path = Path(path)
-    saved = sorted((c for c in path.glob("step-*") if c.name[5:].isdigit() and c.is_dir()
-                    and (c / MANIFEST).is_file()),
+    # a step folder that holds anything besides its checkpoint is not the trainer's alone
+    saved = sorted((c for c in path.glob("step-*") if c.name[5:].isdigit()
+                    and pure_checkpoint(c)),
                    key=lambda c: ((c / MANIFEST).stat().st_mtime_ns, c.name), reverse=True)
     try:
         latest = resolve(path).resolve()

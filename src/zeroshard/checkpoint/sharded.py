@@ -41,14 +41,10 @@ from ..runtime.unit.readout import held_rows
 from .arguments import check_save, said
 from .foreign import refuse_foreign
 from .optstate import optimizers, state_layout, state_of
-from .sanity import check_manifest, pointed
+from .sanity import FORMAT, LATEST, MANIFEST, check_manifest, ours_partial, pointed, pure_checkpoint
 from .tensorfile import fsync_dir, write_tensors
 from .tplayout import box, local_shape
 from .verify import verify, verify_contents  # noqa: F401 (re-exported: load, inspect, export)
-
-FORMAT = "zeroshard-checkpoint"
-MANIFEST = "manifest.json"
-LATEST = "latest"
 
 
 def _rows(shape) -> int:
@@ -173,7 +169,7 @@ def save(model, optimizer, path: str | Path, extra: dict | None = None) -> Path:
     problem = None
     first = _first(model)
     if first:
-        try:
+        try:  # a partial of a stopped save (check_save found nothing else in the way)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         except OSError as exc:
@@ -290,26 +286,29 @@ def _publish(model, optimizer, path: Path, partial: Path, files, extra) -> None:
     os.replace(pointer, path.parent / LATEST)
     fsync_dir(str(path.parent))
     # what saves stopped by a kill left beside it: incomplete copies go; a complete copy
-    # that a stopped overwrite moved aside gets its name back
+    # that a stopped overwrite moved aside gets its name back; nothing else is touched
+    # ([Note: a writer owns only what it wrote] in sanity.py)
     for leftover in path.parent.glob("*.partial"):
-        if leftover.is_dir():
+        if ours_partial(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
     for old in path.parent.glob("*.old"):
         named = old.with_name(old.name[:-len(".old")])
-        if old.is_dir() and not named.exists() and (old / MANIFEST).exists():
+        if not named.exists() and pure_checkpoint(old):
             os.replace(old, named)
 
 
 def move_in(partial: Path, path: Path, manifest: dict) -> None:
     """Finish a checkpoint written into ``partial``: its manifest last (a folder without
     one is never taken for a checkpoint), made durable, then the folder renamed to
-    ``path`` (an existing ``path`` is moved aside first and dropped after)."""
+    ``path`` (an earlier checkpoint at ``path`` is moved aside first and dropped after;
+    the callers checked that it is one, [Note: a writer owns only what it wrote])."""
     with open(partial / MANIFEST, "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
     fsync_dir(str(partial))
-    if path.exists():  # overwriting: move the old one aside first, drop it after
+    if path.is_dir() and any(path.iterdir()):  # an earlier checkpoint (check_target):
+        # moved aside first, dropped after (a rename replaces an empty folder itself)
         old = path.with_name(path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)

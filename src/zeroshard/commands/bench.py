@@ -18,10 +18,10 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from .._paths import folder
+from .._paths import claim, folder, record
 from ..models.gpt import PRESETS
 from ..runtime.spawn import spawn
-from ..train.granularity import measure
+from ..train.granularity import CHARTS, chart_name, measure
 
 
 def _fits(args) -> None:
@@ -56,10 +56,13 @@ def run(args) -> int:
     if args.steps < 4:
         raise ValueError(f"--steps={args.steps}; at least 4 (one records the order, one is "
                          "profiled, the rest are timed)")
-    if args.out:
+    if args.out:  # the charts it writes there replace only charts it wrote
         folder("--out", args.out)
+        claim("--out", args.out, (), CHARTS)
     _fits(args)
     res = spawn(measure, args.nproc, args.model, args.steps, args.batch, args.out, timeout=900)[0]
+    if args.out:
+        record(args.out, [chart_name(label) for label in res if not label.startswith("_")])
     plain_ms = res.pop("_plain_ms")
     t = Table(title=f"unit granularity: GPT {args.model}, stage 3, N = {args.nproc}, global "
                     f"batch {args.batch}, prefetch 1 (rank 0)", title_justify="left")

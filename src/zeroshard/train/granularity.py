@@ -21,6 +21,14 @@ GROUPINGS = {"per block": "blocks", "size >= 60k": 60_000, "whole model": None}
 """Label -> unit policy: one unit per block, units of at least 60k parameters, the whole
 model as one unit."""
 
+#: The lifetime charts ``--out`` gets, one per grouping (the only files written there).
+CHARTS = (r"granularity-.+\.png",)
+
+
+def chart_name(label: str) -> str:
+    """The chart file of grouping ``label``."""
+    return f"granularity-{label.split()[0]}.png"
+
 
 def measure(model_name: str, steps: int, batch: int, out: str | None) -> dict:
     """On every rank: GPT ``model_name`` at stage 3, trained ``steps`` steps on global
@@ -70,7 +78,7 @@ def measure(model_name: str, steps: int, batch: int, out: str | None) -> dict:
         reduces = [c for c in step_coll if c["kind"] == "reduce_scatter"]
         _, peak = prof.peak()
         if rank == 0 and out:
-            lifetime_chart(prof, str(Path(out) / f"granularity-{label.split()[0]}.png"),
+            lifetime_chart(prof, str(Path(out) / chart_name(label)),
                            f"{label}: {len(net.units)} units, stage 3, N = {world}")
         results[label] = {
             "units": [u.w_layout.numel for u in net.units],

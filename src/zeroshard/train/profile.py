@@ -10,12 +10,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .._paths import record
 from ..observe.trace import chrome_trace, lifetime_chart
 from ..plan.arch import Architecture, ModelSpec
 from ..plan.peak import peak
 from ..plan.workload import Workload
 from .hfmodel import gpt_architecture
 from .report import layout
+
+#: What ``--profile DIR`` writes into DIR: the chart, and a trace per rank (claimed
+#: before launch, recorded after: [Note: a writer owns only what it wrote]).
+PROFILE_FILES = ("lifetimes.png",)
+PROFILE_PATTERNS = (r"trace-rank\d+\.json",)
 
 
 def predicted(model, arch, tokens: int, seq_len: int,
@@ -64,4 +70,7 @@ def profile_report(model, cfg, source, micro: int, seq_len: int, rank: int, out)
     measured = {k: at.memory[k] for k in plan}
     statements = [None] * model.mesh.dp_world
     dist.all_gather_object(statements, statement, group=model.mesh.dp_group)
+    if rank == 0:  # after every rank's trace is written
+        traces = [f"trace-rank{r}.json" for r in range(dist.get_world_size())]
+        record(folder, [*PROFILE_FILES, *traces])
     out.profile(folder, statements, plan, measured, prof.total(at), planned_total)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..sanity import ours_partial
 from ..sharded import FORMAT, move_in, own_rows
 from ..tensorfile import write_tensors
 from .layout import Checkpoint, read
@@ -40,13 +41,17 @@ def import_deepspeed(src: str | Path, out: str | Path, tag: str | None = None,
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"out={str(out)!r} exists and is not empty; give a new folder")
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists() or partial.is_symlink():
+        if not ours_partial(partial):  # [Note: a writer owns only what it wrote]
+            raise ValueError(f"out={str(out)!r}: {partial} is in the way and is not what an "
+                             "import leaves there; move it, or import elsewhere")
+        shutil.rmtree(partial)  # what an import stopped by a kill left
     if world is not None and (isinstance(world, bool) or not isinstance(world, int)
                               or world < 1):
         raise ValueError(f"world={world!r}: expected a number of rank files >= 1")
     ck = read(src, tag)
     world = world or ck.world
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # what an import stopped by a kill left
     partial.mkdir(parents=True)
     try:
         files = [_write_rank(ck, partial, r, world) for r in range(world)]
