@@ -63,6 +63,15 @@ def recorded(folder: str | Path) -> dict[int, dict]:
     return {r: e for r, e in out.items() if e.get("attempt", 0) == last}
 
 
+def incurable(folder: str | Path) -> dict | None:
+    """The record of the latest attempt's rank whose error no restart can cure — bad
+    input or a refused combination (exit code 2: the same settings meet it again) — or
+    None when every failure may pass (a rank that died, a collective that timed out, a
+    fault: code 1)."""
+    lines = recorded(folder)
+    return next((lines[r] for r in sorted(lines) if int(lines[r]["code"]) == 2), None)
+
+
 def told(folder: str | Path, failures: dict[int, tuple[int, str]], first: int) -> tuple[str, int]:
     """The launcher's line and exit code for a failed run (``failures``: rank -> (exit
     code, signal name or "")): a rank's own error whose message is the whole story;

@@ -27,6 +27,11 @@ from .hfmodel import model_source
 CONFIG_ENV = "ZEROSHARD_TRAIN_CONFIG"
 
 
+#: The most restarts ``--max-restarts`` takes: each costs a restart of every rank and a
+#: resume (tens of seconds at least); a run failing more often than that needs a person.
+MAX_RESTARTS = 1000
+
+
 def handed_over() -> TrainConfig | None:
     """On a rank started by ``launch``: the settings it handed over; None elsewhere."""
     if CONFIG_ENV not in os.environ or failure.ERROR_DIR not in os.environ:
@@ -40,8 +45,10 @@ def launch(cfg: TrainConfig, debug: bool = False, max_restarts: int = 0) -> int:
     report, not the error's one line. ``max_restarts``: times torch's launcher starts
     every rank again after one fails (each resumes the last checkpoint: ``resume
     auto``)."""
-    if max_restarts < 0:
-        raise ValueError(f"--max-restarts={max_restarts} must be 0 or more")
+    if max_restarts < 0 or max_restarts > MAX_RESTARTS:
+        raise ValueError(f"--max-restarts={max_restarts}; expected 0 to {MAX_RESTARTS:,} (a "
+                         "restart resumes the last checkpoint after a rank dies or a "
+                         "collective times out; bad input ends the run at once)")
     if max_restarts and cfg.resume != "auto":
         raise ValueError(f"--max-restarts={max_restarts} needs --resume auto (and --save-dir): "
                          "a restart resumes the last checkpoint")

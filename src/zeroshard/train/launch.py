@@ -47,6 +47,28 @@ def _stop_soon() -> None:
     PContext.close, LocalElasticAgent._stop_workers = close_soon, stop_soon
 
 
+def _restart_only_what_restarts_cure(folder: str) -> None:
+    """A failed attempt is restarted only when a restart may cure it. torch's agent
+    restarts every failure while restarts are left (``_invoke_run`` in
+    ``torch/distributed/elastic/agent/server/api.py``); a rank that recorded bad input or
+    a refused combination (``failure.incurable``) would meet it again each time, so the
+    agent is told no restarts are left and the run ends with that line at once."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from . import failure
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitor_once(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.state == WorkerState.FAILED and failure.incurable(folder) is not None:
+            self._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_once
+
+
 def _create_handler(params):
     from torch.distributed.elastic.rendezvous import (
         RendezvousInfo,
@@ -100,6 +122,7 @@ def main(argv: list[str]) -> int:
         logging.disable(logging.CRITICAL)
     folder = tempfile.mkdtemp(prefix="zeroshard-errors-")
     os.environ[failure.ERROR_DIR] = folder  # the workers inherit the agent's environment
+    _restart_only_what_restarts_cure(folder)
     try:
         torchrun(["--nnodes", "1", "--rdzv-backend", BACKEND, "--rdzv-endpoint",
                   "127.0.0.1:0", *argv])
