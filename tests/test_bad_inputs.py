@@ -106,7 +106,31 @@ def tmp(world, tmp_path_factory) -> Path:
     (root / "blocked").mkdir()  # the final save's unfinished copy has a file in its way
     (root / "blocked" / "step-000004.partial").write_text("in the way")
     _folders_of_other_programs(root)
+    _folders_of_the_users(root)
+    train(TrainConfig(nproc=1, model="tiny", steps=2, batch=2, eval_every=2, eval_batches=1,
+                      sample_chars=0, lora=4, save_dir=str(root / "lorackpt")))
+    (root / "kv2").mkdir()  # a Llama with 2 key/value heads
+    (root / "kv2" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 512,
+        "vocab_size": 1000}))
     return root
+
+
+def _folders_of_the_users(root: Path) -> None:
+    """Folders that hold the user's own files where a command would write: each must be
+    refused by name, nothing in it touched ([Note: a writer owns only what it wrote])."""
+    (root / "empty").mkdir()
+    (root / "mydata").mkdir()
+    (root / "mydata" / "thesis.txt").write_text("the user's own")
+    (root / "userweights").mkdir()  # the model a run started from, say
+    (root / "userweights" / "model.safetensors").write_bytes(b"the user's own")
+    (root / "userprofile").mkdir()
+    (root / "userprofile" / "lifetimes.png").write_bytes(b"the user's own")
+    (root / "dsout.partial").mkdir()
+    (root / "dsout.partial" / "notes.txt").write_text("the user's own")
+    (root / "dsmissing" / "global_step3").mkdir(parents=True)  # latest names a tag not there
+    (root / "dsmissing" / "latest").write_text("global_step5")
 
 
 def _folders_of_other_programs(root: Path) -> None:

@@ -275,7 +275,8 @@ def test_bad_inputs_each_give_one_line(tmp_path, model_dir):
     _fails(r"token file '.*wide.bin' reads as uint16 ids with every second one 0: it holds "
            r"uint32 ids", tmp_path / "wide.bin", model_dir, tmp_path)
     (tmp_path / "odd.bin").write_bytes(b"\1\0\2")
-    _fails(r"token file '.*odd.bin' has 3 bytes, not a multiple of 2 \(uint16\)",
+    _fails(r"token file '.*odd.bin' has 3 bytes, not a multiple of 2: the ids of this "
+           r"model's vocabulary are read as uint16 \(uint16 up to 65,536 ids, else uint32\)",
            tmp_path / "odd.bin", model_dir, tmp_path)
     (tmp_path / "notok").mkdir()
     (tmp_path / "notok" / "config.json").write_text("{}")

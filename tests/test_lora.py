@@ -30,7 +30,7 @@ def test_planner_counts_peft_adapters_on_llama_7b():
     assert (spec.params, spec.trainable) == (arch.params + 8_388_608, 8_388_608)
     gpt2 = get_preset("gpt2")  # c_proj: the attention's and the MLP's output projections
     assert adapter_params(gpt2, LoraSpec(2, targets=("c_proj",))) == 12 * 2 * (1536 + 3840)
-    with pytest.raises(ValueError, match="not a projection the planner knows"):
+    with pytest.raises(ValueError, match="names no layer of this model"):
         adapter_params(arch, LoraSpec(2, targets=("lm_head",)))
     with pytest.raises(ValueError, match="bare --params"):
         with_lora(ModelSpec("bare", 10**9), LoraSpec(2))

@@ -90,7 +90,7 @@ def test_memory_is_per_tp_slice(runs):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tp", "4", "--model", "tiny"], "--tp 4 does not divide GPT tiny's 2 heads; expected "
+    (["--tp", "4", "--model", "tiny"], "--tp=4 does not divide GPT tiny's 2 heads; expected "
                                        "one of [1, 2]"),
     (["--tp", "3", "--model", "tiny"], "--tp=3 does not divide the 4 processes; expected one "
                                        "of [1, 2, 4]"),

@@ -7,6 +7,7 @@ the same logits, which the adapter moved away from the base's."""
 import pytest
 import torch
 
+from zeroshard._paths import RECORD
 from zeroshard.cli import main
 
 pytestmark = pytest.mark.dist
@@ -41,7 +42,7 @@ def test_trains_and_exports(run):
     root, codes = run
     assert codes == {"train": 0, "adapter": 0, "merged": 0}
     assert {p.name for p in (root / "adapter").iterdir()} == {"adapter_model.safetensors",
-                                                             "adapter_config.json"}
+                                                             "adapter_config.json", RECORD}
 
 
 def test_adapter_and_merged_model_give_the_same_logits(run):

@@ -16,7 +16,7 @@ from .arguments import path_given, sharded_model
 from .exportdir import INDEX, SINGLE
 from .exportdir import check as check_out_dir
 from .exportdir import write as write_out_dir
-from .load import _agree
+from .load import _agree, base_model
 from .sharded import entries, read_manifest, resolve, verify
 from .tensorfile import TensorFile, write_tensors
 from .tplayout import pieces, place, read_whole
@@ -135,36 +135,42 @@ def _weight_map(path: Path) -> dict[str, Path]:
 
 def load_pretrained(model, path: str | Path) -> None:
     """Initialise a ShardedModel from consolidated safetensors (a file, or a directory
-    with ``model.safetensors`` or an index): each rank reads only the rows it keeps."""
+    with ``model.safetensors`` or an index): each rank reads only the rows it keeps. A
+    peft model takes its base model's weights (under the base model's names), its
+    adapters as initialised."""
     sharded_model(model, "zs.load_pretrained()")
     path_given(path, "zs.load_pretrained()", "a safetensors file or a folder of them")
     problem, plan = None, []
+    saved_name = base_model(model.module)[1]
     try:
         wmap = _weight_map(Path(path))
         handles: dict[Path, object] = {}
         for e in entries(model):
-            if e.name not in wmap:
-                raise ValueError(f"{path}: no tensor {e.name!r} for the model's parameter")
-            if wmap[e.name] not in handles:
-                handles[wmap[e.name]] = TensorFile(str(wmap[e.name]))
-            f = handles[wmap[e.name]]
-            shape = f.shape(e.name)
+            key = saved_name(e.name)
+            if key is None:
+                continue  # a peft adapter: not in the base model's files
+            if key not in wmap:
+                raise ValueError(f"{path}: no tensor {key!r} for the model's parameter")
+            if wmap[key] not in handles:
+                handles[wmap[key]] = TensorFile(str(wmap[key]))
+            f = handles[wmap[key]]
+            shape = f.shape(key)
             if shape != e.shape:
-                raise ValueError(f"{wmap[e.name]}: {e.name!r} has shape {shape}, the model "
+                raise ValueError(f"{wmap[key]}: {key!r} has shape {shape}, the model "
                                  f"{e.shape}")
-            plan.append((e, f))
+            plan.append((e, f, key))
     except ValueError as exc:
         problem = str(exc)
     except OSError as exc:  # a file the index names is missing or unreadable
         problem = f"{exc.filename or path}: {exc.strerror or exc}"
     _agree(model, problem)
     with torch.no_grad():
-        for e, f in plan:
+        for e, f, key in plan:
             a, b = e.held()
             if a < b:
-                e.local(a, b).copy_(read_whole(f, e.name, e, a, b))
+                e.local(a, b).copy_(read_whole(f, key, e, a, b))
         for name, buf in model.module.named_buffers():
-            if name in wmap:
-                buf.copy_(TensorFile(str(wmap[name])).rows(name))
+            if saved_name(name) in wmap:
+                buf.copy_(TensorFile(str(wmap[saved_name(name)])).rows(saved_name(name)))
     model.refresh_compute()
     dist.barrier(model.mesh.control_group)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .._jsonfile import read_json_object
-from .exportdir import INDEX, SINGLE
-from .load import _agree
+from .exportdir import INDEX, SINGLE, put
+from .load import _agree, base_model
 from .sharded import entries, read_manifest, resolve
 from .tensorfile import TensorFile, fsync_dir
 from .tplayout import read_whole
@@ -58,7 +57,7 @@ def _source_names(model, wmap: dict[str, Path]) -> tuple[dict[str, str], bool]:
     load, or without the base model's prefix); and whether transformers would convert
     some tensors besides. A peft model (``zeroshard train --lora``) is read as its base
     model: each name without peft's additions, its adapters not in the files."""
-    module, names = _base_model(model.module)
+    module, names = base_model(model.module)
     prefix = getattr(module, "base_model_prefix", "") or ""
     wanted = {names(n): n for n, _ in [*model.module.named_parameters(),
                                        *model.module.named_buffers()] if names(n)}
@@ -77,24 +76,6 @@ def _source_names(model, wmap: dict[str, Path]) -> tuple[dict[str, str], bool]:
 
 #: What peft adds to a base model's names: its wrapper's prefix, and the name each
 #: adapted layer keeps its base under (``peft/tuners/lora/layer.py``: ``base_layer``).
-PEFT_PREFIX, BASE_LAYER = "base_model.model.", ".base_layer."
-
-
-def peft_base_name(name: str) -> str | None:
-    """The base model's name of a peft model's tensor (None for an adapter's)."""
-    if ".lora_" in name:
-        return None
-    return name.removeprefix(PEFT_PREFIX).replace(BASE_LAYER, ".")
-
-
-def _base_model(module):
-    """(the model the weight files are of, its name of each of ``module``'s tensors —
-    None for a peft adapter's, which the files do not hold)."""
-    if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
-        return module.get_base_model(), peft_base_name
-    return module, lambda n: n
-
-
 def weight_files(path: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it, in the model folder ``path``: from
     the index or the single file. A problem is one line naming the folder as
@@ -140,7 +121,7 @@ def load_hf_weights(model, path: str | Path) -> None:
         wmap = weight_files(path)
         names, converts = _source_names(model, wmap)
         handles: dict[Path, TensorFile] = {}
-        base = _base_model(model.module)[1]
+        base = base_model(model.module)[1]
         for e in entries(model):
             if base(e.name) is None:
                 continue  # an adapter: initialised at shard time (train/adapters.py)
@@ -211,22 +192,22 @@ def check_export(source: str | Path, out: str | Path) -> None:
 
 def carry_over(source: str | Path, out: str | Path, dtype: str) -> list[str]:
     """Copy ``source``'s config, generation config and tokenizer into ``out``, each
-    written aside and moved in whole. ``config.json``'s dtype is set to the exported
-    one, so ``from_pretrained`` loads the weights as written."""
+    written aside and moved in whole (``exportdir.put``: the export's to replace next
+    time). ``config.json``'s dtype is set to the exported one, so ``from_pretrained``
+    loads the weights as written."""
     out = Path(out)
     copied = []
     for p in carried_files(source):
-        tmp = out / f".{p.name}.partial"
         if p.name == "config.json":
             config = json.loads(p.read_text(encoding="utf-8"))
             name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
             for key in ("torch_dtype", "dtype"):
                 if key in config:
                     config[key] = name
-            tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+            put(out, p.name, lambda tmp, text=text: tmp.write_text(text, encoding="utf-8"))
         else:
-            shutil.copyfile(p, tmp)
-        os.replace(tmp, out / p.name)
+            put(out, p.name, lambda tmp, p=p: shutil.copyfile(p, tmp))
         copied.append(p.name)
     fsync_dir(str(out))
     return copied

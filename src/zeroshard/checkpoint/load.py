@@ -24,9 +24,16 @@ def _pieces(manifest: dict, name: str, a: int, b: int):
             for fname, fa, fb, _, common in pieces(manifest, name, {0: (a, b)})]
 
 
-def check_model(manifest: dict, model, path: Path) -> None:
+def _same_names(name: str) -> str:
+    return name
+
+
+def check_model(manifest: dict, model, path: Path, saved_name=_same_names) -> None:
+    """The checkpoint holds exactly the model's parameters (under ``saved_name`` of each
+    of the model's names, which is None for a parameter the checkpoint does not hold)."""
     saved = manifest["params"]
-    current = {e.name: list(e.shape) for e in entries(model)}
+    current = {saved_name(e.name): list(e.shape) for e in entries(model)
+               if saved_name(e.name) is not None}
     for name, shape in current.items():
         if name not in saved:
             raise ValueError(f"{path}: checkpoint of a different model: it has no parameter "
@@ -56,6 +63,40 @@ def load(model, optimizer, path: str | Path) -> dict:
     any other's ([Note: checkpoints across tp degrees] in ``tplayout.py``)."""
     sharded_model(model, "zs.load()")
     path_given(path, "zs.load()")
+    return _load(model, optimizer, path, _same_names)
+
+
+PEFT_PREFIX, BASE_LAYER = "base_model.model.", ".base_layer."
+
+
+def peft_base_name(name: str) -> str | None:
+    """The base model's name of a peft model's tensor (None for an adapter's)."""
+    if ".lora_" in name:
+        return None
+    return name.removeprefix(PEFT_PREFIX).replace(BASE_LAYER, ".")
+
+
+def base_model(module):
+    """(the model the weight files are of, its name there of each of ``module``'s tensors:
+    a peft model's base model, and its names without peft's prefixes — None for an
+    adapter's, which the files do not hold; any other model and its own names)."""
+    if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
+        return module.get_base_model(), peft_base_name
+    return module, lambda n: n
+
+
+def load_weights(model, path: str | Path) -> dict:
+    """Only the weights of checkpoint ``path`` (``zeroshard train --init-from CKPT``): no
+    optimizer state, RNG state or schedule. A peft model (``--lora``) takes its base
+    model's weights under the base model's names, its adapters as initialised. Returns
+    the checkpoint's ``extra``."""
+    return _load(model, None, path, base_model(model.module)[1])
+
+
+def _load(model, optimizer, path, saved_name) -> dict:
+    """``load``: every rank plans and checks what it reads, the ranks agree, then every
+    rank applies it. ``saved_name``: the checkpoint's name of each of the model's
+    parameters and buffers (None: not in it, left as it is)."""
     mesh = model.mesh
     rank, world = mesh.shard_rank, mesh.shard_world  # (replicas read alike)
     own_file = f"rank{mesh.tp_rank * world + rank:05d}.safetensors"
@@ -63,37 +104,41 @@ def load(model, optimizer, path: str | Path) -> dict:
     try:
         ckpt = resolve(path)
         manifest = read_manifest(ckpt)
-        check_model(manifest, model, ckpt)
+        check_model(manifest, model, ckpt, saved_name)
         for e in entries(model):
+            if saved_name(e.name) is None:
+                continue
             a, b = e.held()  # what this rank keeps: its shard, or whole weights
             want = e.box(a, b)
-            found = pieces(manifest, e.name, want)
+            found = pieces(manifest, saved_name(e.name), want)
             if sum(volume(p[4], e.shape) for p in found) != volume(want, e.shape):
                 raise ValueError(f"{ckpt}: rows {a}-{b} of {e.name!r} are in no file "
                                  "(a rank file is missing from the manifest)")
             plan.append((e, a, b, want, found))
         needed = {p[0] for *_, found in plan for p in found}
         needed.add(f"rank{0:05d}.safetensors")  # buffers
-        same = manifest["world"] == world and manifest.get("tp", 1) == mesh.tp_world
+        same = (manifest["world"] == world and manifest.get("tp", 1) == mesh.tp_world
+                and saved_name is _same_names)
         if same:
             needed.add(own_file)  # this rank's RNG state
         problem = verify(ckpt, manifest, needed)
         if problem is None and optimizer is not None:
             problem = _check_groups(manifest, model, optimizer, ckpt)
         if problem is None:
-            problem = _check_contents(ckpt, manifest, model, needed)
+            problem = _check_contents(ckpt, manifest, model, needed, saved_name)
     except ValueError as exc:
         problem = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure on one rank stops every rank
         problem = f"{ckpt or path}: {type(exc).__name__}: {exc}"
     _agree(model, problem)
-    _apply(model, optimizer, ckpt, manifest, plan, own_file if same else None)
+    _apply(model, optimizer, ckpt, manifest, plan, own_file if same else None, saved_name)
     for o in optimizers(optimizer):  # their state dicts speak DTensor from now on
         attach(model.stepper, o)
     return manifest["extra"]
 
 
-def _check_contents(ckpt: Path, manifest: dict, model, needed: set[str]) -> str | None:
+def _check_contents(ckpt: Path, manifest: dict, model, needed: set[str],
+                    saved_name=_same_names) -> str | None:
     """Parse every file this rank will read and find each tensor in it, before anything is
     applied: a file whose checksum matches but whose header does not (rewritten, or from
     another program) is named here, not half-way through a load."""
@@ -103,7 +148,7 @@ def _check_contents(ckpt: Path, manifest: dict, model, needed: set[str]) -> str 
             return problem
     f0 = TensorFile(str(ckpt / f"rank{0:05d}.safetensors"))
     for name, buf in model.module.named_buffers():
-        key = f"{name}::buffer"
+        key = f"{saved_name(name)}::buffer"
         if key not in f0.header or f0.shape(key) != tuple(buf.shape):
             return f"{f0.path}: buffer {name!r} of shape {tuple(buf.shape)} is not there"
     return None
@@ -134,7 +179,8 @@ def _check_groups(manifest, model, optimizer, ckpt) -> str | None:
     return None
 
 
-def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, own: str | None) -> None:
+def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, own: str | None,
+           saved_name=_same_names) -> None:
     handles = {}
 
     def opened(fname):
@@ -149,7 +195,7 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, own: str | None) 
     with torch.no_grad():
         for e, a, b, want, found in plan:
             shape = (b - a, *e.local_shape[1:])
-            read(e.name, e.local(a, b).view(shape), want, found)
+            read(saved_name(e.name), e.local(a, b).view(shape), want, found)
             if optimizer is None or not e.trainable or not found:
                 continue  # (no pieces: this rank holds no rows of the parameter)
             f = opened(found[0][0])
@@ -192,7 +238,7 @@ def _apply(model, optimizer, ckpt: Path, manifest: dict, plan, own: str | None) 
                         g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
         f0 = opened(f"rank{0:05d}.safetensors")
         for name, buf in model.module.named_buffers():
-            buf.copy_(f0.rows(f"{name}::buffer"))
+            buf.copy_(f0.rows(f"{saved_name(name)}::buffer"))
         own = opened(own) if own is not None else None
         if own is not None and "__rng_state__" in own.header:  # (an import has none)
             torch.set_rng_state(own.rows("__rng_state__"))

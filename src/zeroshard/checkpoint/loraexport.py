@@ -13,14 +13,14 @@ names are the base model's. One weight and its adapter are held at a time.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
 from .consolidated import reader, write_entries
-from .hflayout import peft_base_name
+from .exportdir import put
+from .load import peft_base_name
 from .tensorfile import fsync_dir, write_tensors
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -52,9 +52,7 @@ def export_adapter(ckpt_path, out_dir: Path, config, dtype: str,
     for name, write in ((ADAPTER_FILE, lambda p: write_tensors(str(p), entries,
                                                                {"format": "pt"})),
                         (ADAPTER_CONFIG, lambda p: p.write_bytes(text))):
-        tmp = out_dir / f".{name}.partial"
-        write(tmp)
-        os.replace(tmp, out_dir / name)
+        put(out_dir, name, write)
         written[name] = [e[0] for e in entries] if name == ADAPTER_FILE else []
     fsync_dir(str(out_dir))
     return written

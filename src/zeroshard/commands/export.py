@@ -6,8 +6,10 @@ model.safetensors.index.json, as `from_pretrained` expects. A run of `zeroshard 
 --hf-model DIR` exports as a folder `from_pretrained` loads: the weights under
 transformers' names, and DIR's config.json (its dtype set to --dtype),
 generation_config.json and tokenizer files. The files are written aside and moved in
-whole: a failed export leaves the output folder as it was, and a re-export removes what
-the one before it wrote there (other files are left alone).
+whole: a failed export leaves the output folder as it was, and a re-export replaces what
+the one before it wrote there; a file of anyone else's that it would replace is refused
+by name before anything is written (the folder's .zeroshard-written.json records what
+zeroshard wrote), and other files are left alone.
 
 A run of `zeroshard train --lora R` exports its adapter in peft's layout
 (adapter_model.safetensors, adapter_config.json: peft's from_pretrained loads it onto the
@@ -26,7 +28,8 @@ import math
 import resource
 
 from ..checkpoint.consolidated import export
-from ..checkpoint.hflayout import carry_over, check_export, trained_from
+from ..checkpoint.exportdir import check as check_out_dir
+from ..checkpoint.hflayout import carried_files, carry_over, check_export, trained_from
 from ..train import lora_export
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -76,6 +79,7 @@ def run(args) -> int:
     source = trained_from(args.ckpt)
     if source is not None:
         check_export(source, args.out)
+        check_out_dir(args.out, [p.name for p in carried_files(source)])
     layout = export(args.ckpt, args.out, args.dtype, most)
     copied = carry_over(source, args.out, args.dtype) if source is not None else []
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before

@@ -37,7 +37,7 @@ from ..spec.optimizers import OPTIMIZERS
 from ..spec.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..spec.rules import OFFLOADS
 from . import plan_lora, plan_output, plan_time
-from .plan_checks import DIM_FLAGS, check_flags, sweep_counts
+from .plan_checks import DIM_FLAGS, check_flags, model_rules, sweep_counts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -245,7 +245,9 @@ def run(args) -> int:
         return 0
     check_flags(args)
     sweep = sweep_counts(args.sweep)
-    model, config = plan_lora.apply(args, resolve_model(args)), plan_config(args)
+    model = resolve_model(args)
+    model_rules(args, model)  # the trainer's rules for this model, before any planning
+    model, config = plan_lora.apply(args, model), plan_config(args)
     if model.params > MAX_PARAMS:  # a model given by its dimensions or a config.json
         raise ValueError(f"the model has {model.params:,} parameters, more than the planner "
                          f"plans: at most {MAX_PARAMS:,}")

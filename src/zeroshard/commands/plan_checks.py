@@ -1,14 +1,17 @@
 """The ``zeroshard plan`` flags checked before any work: each value on its own (positive,
-finite, within what the planner plans), the flags that contradict each other, and the
-output files' folders."""
+finite, within what the planner plans), the flags that contradict each other, the
+output files' folders, and the trainer's rules for the model planned."""
 
 from __future__ import annotations
 
 import math
+import re
 
 from .._paths import output_file
 from ..plan.advice import MAX_GPUS, MAX_PARAMS
+from ..spec.dims import check_tp_degree
 from ..spec.formulas import QUANT_BLOCK
+from ..spec.lora import check_beside_tp
 from . import plan_time
 
 #: The model's dimension flags (``--hidden`` ...), each a positive count.
@@ -75,3 +78,16 @@ def sweep_counts(spec: str | None) -> list[int] | None:
         raise ValueError(f"--sweep={spec!r} must list positive GPU counts, e.g. 8,16,32")
     _at_most("sweep", max(counts), MAX_GPUS, "the planner plans")
     return counts
+
+
+def model_rules(args, model) -> None:
+    """What ``zeroshard train`` refuses for this model, refused here too, by the same rules
+    (``spec/``): a tensor-parallel degree that does not divide what it splits, LoRA
+    beside tensor parallelism. The spec names settings; here they are flags."""
+    tp = args.tp or 1
+    try:
+        if tp > 1 and model.arch is not None:
+            check_tp_degree(tp, model.name, model.arch.tp_sizes())
+        check_beside_tp(args.lora, tp)
+    except ValueError as exc:
+        raise ValueError(re.sub(r"\b(lora|tp)=", r"--\1=", str(exc))) from None

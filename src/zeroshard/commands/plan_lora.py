@@ -5,6 +5,7 @@ optimizer state; the base is weights only, at the weights' dtype."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..plan.arch import ModelSpec
 from ..plan.lora import with_lora
@@ -37,4 +38,9 @@ def apply(args, model: ModelSpec) -> ModelSpec:
             raise ValueError(f"--lora plans memory and bytes on the wire per strategy; "
                              f"--{flag.replace('_', '-')} does not weigh adapters yet: drop "
                              "one of them")
-    return with_lora(model, LoraSpec(args.lora, targets=args.lora_targets))
+    try:
+        return with_lora(model, LoraSpec(args.lora, targets=args.lora_targets))
+    except ValueError as exc:  # the spec names the settings; here they are flags
+        raise ValueError(re.sub(r"\blora(_targets)?(?=[=:])",
+                                lambda m: "--" + m.group(0).replace("_", "-"), str(exc))) \
+            from None

@@ -21,7 +21,8 @@ or a DeepSpeed config, whose zero_optimization.stage, bf16.enabled,
 zero_optimization.reduce_bucket_size, .stage3_prefetch_bucket_size,
 .stage3_param_persistence_threshold (read by the engine's translator, as zs.shard reads
 them), gradient_clipping, gradient_accumulation_steps, train_micro_batch_size_per_gpu
-and train_batch_size are honoured; other keys are named in one warning.
+and train_batch_size are honoured; other keys are named in one warning. One file may
+hold both kinds of key; a setting given both ways, or a key given twice, is refused.
 """
 
 from __future__ import annotations
@@ -140,11 +141,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "there is one, else a first start; any "
                                                     "--nproc and --stage")
     p.add_argument("--init-from", metavar="PATH", help="initial weights from consolidated "
-                                                       "safetensors")
+                                                       "safetensors, or a checkpoint's "
+                                                       "weights alone (with --lora: the "
+                                                       "base model's)")
     p.add_argument("--max-restarts", type=int, metavar="K", default=0,
-                   help="start every process again, up to K times, after one fails or a "
-                        "collective times out; with --resume auto each restart resumes the "
-                        "last checkpoint (default 0; under torchrun, torchrun's own flag)")
+                   help="start every process again, up to K times (at most 1,000), after one "
+                        "dies or a collective times out (bad input ends the run at once); "
+                        "with --resume auto each restart resumes the last checkpoint "
+                        "(default 0; under torchrun, torchrun's own flag)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help=f"how long a rank waits for the others in any collective before it "
                         f"fails (default {d.timeout:g})")

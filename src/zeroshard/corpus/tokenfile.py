@@ -37,8 +37,9 @@ def open_tokens(path: str | Path, dtype: str) -> np.ndarray:
     width = np.dtype(dtype).itemsize
     if size % width:
         raise DataError(f"token file {str(path)!r} has {size:,} bytes, not a multiple of "
-                        f"{width} ({dtype}); give a flat array of {dtype} ids, or set the "
-                        "token dtype (uint16 or uint32) it was written with")
+                        f"{width}: the ids of this model's vocabulary are read as {dtype} "
+                        "(uint16 up to 65,536 ids, else uint32); give a flat array of "
+                        f"{dtype} ids, whole (a file cut short, or written in another dtype?)")
     if size == 0:  # numpy cannot map an empty file
         return np.empty(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")

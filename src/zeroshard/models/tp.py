@@ -77,16 +77,6 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def check_degree(tp: int, label: str, sizes: dict[str, int]) -> None:
-    """A ValueError naming the first of ``sizes`` (what tensor parallelism splits: heads,
-    key/value heads, hidden and MLP widths, vocabulary) that ``tp`` does not divide."""
-    for what, n in sizes.items():
-        if n % tp:
-            ok = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-            raise ValueError(f"--tp {tp} does not divide {label}'s {n} {what}; expected one "
-                             f"of {ok}")
-
-
 def device_mesh(tp: int, shard_group=None):
     """The mesh of ``zs.shard(..., mesh=)`` over every rank for tensor parallelism of
     degree ``tp`` (consecutive ranks, a node's): ``("dp", "tp")``, or with a shard group

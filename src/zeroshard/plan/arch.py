@@ -21,10 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.lora import MODULES
+
 #: Activation-model families (``plan/activations.py``): GPT-2's sequential pre-norm
 #: block with LayerNorm and a GELU MLP; Llama's with RMSNorm and SwiGLU (Mistral,
 #: Qwen2, Qwen3); GPT-NeoX's parallel residual; Gemma-2's four norms and soft-capping.
 FAMILIES = ("gpt", "llama", "neox", "gemma2")
+#: How each family's layers are named, unless an architecture says otherwise.
+_NAMING = {"gpt": "gpt2", "llama": "llama", "neox": "neox", "gemma2": "llama"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,11 @@ class Architecture:
     """Dropout on the embeddings' output (GPT-2's ``embd_pdrop``)."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities (GPT-2's ``attn_pdrop``)."""
+    naming: str = ""
+    """How its block's layers are named (LoRA's targets, ``spec/lora.py`` ``MODULES``):
+    ``llama`` (Mistral, Qwen and Gemma-2 too), ``gpt2``, ``neox``, ``zeroshard`` (the
+    built-in GPT); empty: the family's (a GPT-NeoX without parallel residuals is of the
+    ``gpt`` family but named as ``neox``)."""
 
     def __post_init__(self) -> None:
         for field in ("hidden", "layers", "heads", "ffn", "vocab", "norms"):
@@ -103,6 +112,21 @@ class Architecture:
         if self.family not in FAMILIES:
             raise ValueError(f"{self.name}: family={self.family!r}; expected one of "
                              f"{', '.join(FAMILIES)}")
+        if not self.naming:
+            object.__setattr__(self, "naming", _NAMING[self.family])
+        if self.naming not in MODULES:
+            raise ValueError(f"{self.name}: naming={self.naming!r}; expected one of "
+                             f"{', '.join(MODULES)}")
+
+    def tp_sizes(self) -> dict[str, int]:
+        """What tensor parallelism's plan splits in this model (``plan/tp.py``): the
+        heads, the key/value heads, the MLP width, and the vocabulary where the
+        embedding and head are split (every family but the built-in GPT's)."""
+        sizes = {"attention heads": self.heads, "key/value heads": self.kv_heads or self.heads,
+                 "MLP width": self.ffn}
+        if self.family != "gpt":
+            sizes["vocabulary"] = self.vocab
+        return sizes
 
     @property
     def dim(self) -> int:

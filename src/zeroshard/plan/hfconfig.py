@@ -103,6 +103,7 @@ def from_hf_config(path: str | Path) -> Architecture:
             norm_bias=True,
             linear_bias=True,
             family="neox" if config.get("use_parallel_residual", True) else "gpt",
+            naming="neox",
         )
     raise ValueError(
         f"{path}: model_type {kind!r} is not supported; expected one of {', '.join(KINDS)}"

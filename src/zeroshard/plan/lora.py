@@ -27,12 +27,14 @@ def projection(arch: Architecture, role: str) -> tuple[int, int]:
 
 
 def adapter_params(arch: Architecture, lora: LoraSpec) -> int:
-    """Parameters of every adapter ``lora`` adds to ``arch``'s blocks. A role the family
-    lacks (a gate in GPT-2's plain MLP) is an error."""
-    roles = lora.roles(arch.family)
+    """Parameters of every adapter ``lora`` adds to ``arch``'s blocks. A layer the model
+    does not have (GPT-2's c_attn in a Llama, a gate in GPT-2's plain MLP), or a rank
+    above a layer's width, is an error."""
+    roles = lora.roles(arch.naming)
     if "gate" in roles and not arch.gated_mlp:
         raise ValueError(f"{arch.name}: its MLP has no gate projection to adapt (a plain "
                          "MLP: up and down only)")
+    lora.check_widths({lora.layer_of(arch.naming, r): projection(arch, r) for r in roles})
     per_block = sum(lora.rank * sum(projection(arch, r)) for r in roles)
     return arch.layers * per_block
 

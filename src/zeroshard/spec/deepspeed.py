@@ -38,6 +38,22 @@ def is_deepspeed(d: dict) -> bool:
     return any(s in d for s in _DEEPSPEED_SECTIONS)
 
 
+def fields_set(d: dict) -> dict[str, str]:
+    """The ZeroConfig fields DeepSpeed config ``d`` sets, each with the key that sets it
+    (for a file that gives a field twice: in DeepSpeed's words and in zeroshard's)."""
+    out = {}
+    for key, name in DEEPSPEED_KEYS.items():
+        section, _, leaf = key.partition(".")
+        if isinstance(d.get(section), dict) and leaf in d[section]:
+            out.setdefault(name, key)
+    zero = d.get("zero_optimization")
+    for key in _OFFLOAD_KEYS:
+        if isinstance(zero, dict) and key.partition(".")[2] in zero:
+            out.setdefault("offload", key)
+            out.setdefault("offload_dir", key)
+    return out
+
+
 def translate(d: dict, handled: Iterable[str], make: Callable):
     """``make(**fields)`` (ZeroConfig) with the fields read from DeepSpeed's config ``d``; a
     bad value's error names its DeepSpeed key."""

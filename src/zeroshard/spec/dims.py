@@ -27,6 +27,18 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
+def check_tp_degree(tp: int, label: str, sizes: dict[str, int]) -> None:
+    """Tensor parallelism of degree ``tp`` splits each of ``sizes`` (what its plan cuts:
+    heads, key/value heads, widths, the vocabulary) into equal parts: a ValueError
+    naming the first it does not divide, with the degrees that would. One rule for the
+    trainer (the model it builds) and the planner (the architecture it plans)."""
+    for what, n in sizes.items():
+        if n % tp:
+            ok = [d for d in _divisors(n) if d <= 64]
+            raise ValueError(f"tp={tp} does not divide {label}'s {n} {what}; expected one "
+                             f"of {ok}")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Ranks per axis; validated at construction."""

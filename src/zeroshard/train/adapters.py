@@ -18,7 +18,7 @@ import math
 
 import torch.nn as nn
 
-from ..spec.lora import BUILTIN_TARGETS, LoraSpec
+from ..spec.lora import BUILTIN_TARGETS, LoraSpec, check_beside_tp
 
 
 def check_adapters(cfg) -> None:
@@ -26,10 +26,7 @@ def check_adapters(cfg) -> None:
     if cfg.compile is not None and not cfg.compile:
         raise ValueError(f"compile={cfg.compile!r} must name a torch.compile backend, such "
                          "as inductor or aot_eager")
-    if cfg.lora is not None and cfg.tp > 1:
-        raise ValueError(f"lora={cfg.lora} with tp={cfg.tp}: peft's adapters wrap the layers "
-                         "tensor parallelism splits, and their own weights have no tp plan; "
-                         "give one of them")
+    check_beside_tp(cfg.lora, cfg.tp)
     if cfg.lora is None:
         if cfg.lora_targets is not None:
             raise ValueError(f"lora_targets={cfg.lora_targets!r} needs lora, the adapters' "
@@ -56,14 +53,53 @@ def peft_config(cfg, builtin: bool):
 
 
 def with_adapters(model: nn.Module, cfg, builtin: bool) -> nn.Module:
-    """``model`` wrapped by peft with the run's adapters (every other weight frozen)."""
+    """``model`` wrapped by peft with the run's adapters (every other weight frozen). The
+    targets must name layers of the model and the rank fit them (``LoraSpec``'s rules),
+    found on the meta model before launch (``hfmodel``'s ``meta``)."""
     import peft
 
+    config = peft_config(cfg, builtin)
+    if lora_spec(cfg).targets:
+        _check_targets(model, lora_spec(cfg).targets)
     try:
-        return peft.get_peft_model(model, peft_config(cfg, builtin))
-    except ValueError as exc:  # e.g. no module matches the targets: one line
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as exc:  # what peft refuses besides: one line
         text = str(exc).strip().splitlines()[0]
         raise ValueError(f"lora_targets={cfg.lora_targets!r}: {text}") from None
+    lora_spec(cfg).check_widths(_widths(wrapped))
+    return wrapped
+
+
+def _layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers of ``model`` peft can adapt, by name: linear ones (torch's, and GPT-2's
+    ``Conv1D``, a linear layer stored transposed)."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+
+
+def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """Each target names a linear layer of ``model`` as peft matches names (the whole name,
+    or its last parts): one line naming the first that does not, and the layers there are."""
+    layers = _layers(model)
+    for t in targets:
+        if not any(n == t or n.endswith("." + t) for n in layers):
+            names = sorted({n.rsplit(".", 1)[-1] for n in layers})
+            raise ValueError(f"lora_targets={','.join(targets)!r}: {type(model).__name__} has no "
+                             f"linear layer named {t!r}; its linear layers: {', '.join(names)}")
+
+
+def _widths(peft_model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(in, out) features of every layer peft adapted, by name."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, m in peft_model.named_modules():
+        if isinstance(m, LoraLayer):
+            base = m.get_base_layer()
+            weight = base.weight  # Linear: [out, in]; Conv1D: [in, out]
+            n_out, n_in = weight.shape if isinstance(base, nn.Linear) else weight.shape[::-1]
+            out[name.removeprefix("base_model.model.")] = (int(n_in), int(n_out))
+    return out
 
 
 def adapter_init(model: nn.Module, base_init):
@@ -86,6 +122,20 @@ def adapter_init(model: nn.Module, base_init):
             base_init(module)
 
     return init
+
+
+def check_compile(backend: str | None) -> None:
+    """``--compile``'s backend is one torch knows (``torch._dynamo.list_backends``), found
+    before launch rather than at the first forward of every rank."""
+    if backend is None:
+        return
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=None)
+    if backend not in known:
+        shown = [b for b in known if "TESTING" not in b and "minifier" not in b]
+        raise ValueError(f"compile={backend!r} is not a torch.compile backend; expected one "
+                         f"of {', '.join(shown)}")
 
 
 def compile_units(model, cfg) -> None:

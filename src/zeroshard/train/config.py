@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from .._jsonfile import read_json_object
 from ..runtime.step.scaler import GradScaler
 from ..spec.config import ZeroConfig, is_deepspeed
-from ..spec.deepspeed import SCALER_KEYS
+from ..spec.deepspeed import SCALER_KEYS, fields_set
 from .adapters import check_adapters
 from .checks import check_values
 
@@ -196,9 +196,13 @@ class TrainConfig:
 
 
 #: The DeepSpeed keys the trainer honours on top of the engine's
-#: (``zeroshard.spec.deepspeed.DEEPSPEED_KEYS``, translated by ``ZeroConfig.from_deepspeed``).
-TRAINER_DEEPSPEED_KEYS = ("gradient_clipping", "train_micro_batch_size_per_gpu",
-                          "train_batch_size", "gradient_accumulation_steps")
+#: (``zeroshard.spec.deepspeed.DEEPSPEED_KEYS``, translated by ``ZeroConfig.from_deepspeed``),
+#: each with the trainer's settings it sets.
+TRAINER_FROM_DEEPSPEED = {"gradient_clipping": ("clip",),
+                          "train_micro_batch_size_per_gpu": ("micro_batch",),
+                          "train_batch_size": ("batch",),
+                          "gradient_accumulation_steps": ("batch", "micro_batch")}
+TRAINER_DEEPSPEED_KEYS = tuple(TRAINER_FROM_DEEPSPEED)
 
 
 def from_deepspeed(ds: dict, nproc: int) -> dict:
@@ -285,6 +289,37 @@ def _build(zero: ZeroConfig, trainer: dict, engine: dict) -> TrainConfig:
         raise ValueError(str(exc)) from None
 
 
+def _from_file(path: str, nproc: int) -> tuple[ZeroConfig, dict, dict]:
+    """(the engine's config, the trainer's settings, the engine's settings) of a
+    ``--config`` file: our keys, a DeepSpeed config, or both in one file — each key read
+    by its own reader; a setting both give is refused by name."""
+    where = f"config {path}"
+    data = read_json_object(path, "config")
+    ours = {k: v for k, v in data.items() if _is_ours(k)}
+    ds = {k: v for k, v in data.items() if not _is_ours(k)}
+    if not (is_deepspeed(ds) or any(k in ds for k in TRAINER_DEEPSPEED_KEYS)):
+        return (TRAIN_ZERO, *_split(data, where))  # an unknown key is named there
+    trainer, engine = _split(ours, where)
+    given = {**fields_set(ds), **{name: key for key, names in TRAINER_FROM_DEEPSPEED.items()
+                                  if key in ds for name in names}}
+    if isinstance(ds.get("fp16"), dict) and any(k in ds["fp16"] for k in SCALER_KEYS):
+        given["loss_scaler"] = "fp16"
+    twice = next((n for n in [*trainer, *engine] if n in given), None)
+    if twice is not None:
+        raise ValueError(f"{where}: {twice} is given twice, as {given[twice]} (DeepSpeed's "
+                         f"key) and as {twice} (zeroshard's); give it once")
+    from_ds = from_deepspeed(ds, nproc)
+    zero = replace(from_ds.pop("zero"), nonfinite=TRAIN_ZERO.nonfinite)
+    return zero, {**from_ds, **trainer}, engine
+
+
+def _is_ours(key: str) -> bool:
+    """Whether a top-level key of a ``--config`` file is zeroshard's own (a trainer
+    setting, an engine setting or an alias, or ``zero``), not DeepSpeed's."""
+    return (key == "zero" or key in _ALIASES or key in engine_keys()
+            or key in {f.name for f in fields(TrainConfig)})
+
+
 def resolve(flags: dict, config_path: str | None = None) -> TrainConfig:
     """Defaults, then the JSON file, then the flags that were given (not None). ``flags``
     are named as the fields: the trainer's and the engine's (ZeroConfig's) side by side."""
@@ -292,12 +327,7 @@ def resolve(flags: dict, config_path: str | None = None) -> TrainConfig:
     engine_set = set(engine_keys())
     zero, trainer, engine = TRAIN_ZERO, {}, {}
     if config_path:
-        data = read_json_object(config_path, "config")
-        if is_deepspeed(data) or any(k in data for k in TRAINER_DEEPSPEED_KEYS):
-            trainer = from_deepspeed(data, flags.get("nproc") or TrainConfig.nproc)
-            zero = replace(trainer.pop("zero"), nonfinite=TRAIN_ZERO.nonfinite)
-        else:
-            trainer, engine = _split(data, f"config {config_path}")
+        zero, trainer, engine = _from_file(config_path, flags.get("nproc") or TrainConfig.nproc)
     given = {k: v for k, v in flags.items() if v is not None}
     trainer.update({k: v for k, v in given.items() if k in trainer_keys})
     engine.update({k: v for k, v in given.items() if k in engine_set})

@@ -19,7 +19,7 @@ def gpt_architecture(c) -> Architecture:
     """The built-in GPT of ``GPTConfig`` ``c`` as the planner describes models."""
     return Architecture("gpt", c.hidden, c.layers, c.heads, 4 * c.hidden, c.vocab, tied=True,
                         max_positions=c.block_size, gated_mlp=False, norm_bias=True,
-                        linear_bias=True, family="gpt")
+                        linear_bias=True, family="gpt", naming="zeroshard")
 
 
 def _zeros(module: torch.nn.Module) -> None:
@@ -48,14 +48,21 @@ class BuiltinGPT:
         self.seq_len = cfg.seq_len or block
         self.label, self.source = f"GPT {cfg.model}", ""
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Parameter names and shapes, built on the meta device (no memory)."""
+    def meta(self) -> torch.nn.Module:
+        """The model as the run builds it (with ``--lora``'s adapters), on the meta device
+        (no memory)."""
         from ..models.gpt import GPT
 
         with torch.device("meta"):
-            return {n: tuple(p.shape) for n, p in GPT(self.gpt_cfg).named_parameters()}
+            model = GPT(self.gpt_cfg)
+            return with_adapters(model, self.cfg, builtin=True) if self.cfg.lora else model
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes, as the run's model has them."""
+        return {n: tuple(p.shape) for n, p in self.meta().named_parameters()}
 
     def params(self) -> int:
+        """Every parameter the run's model holds, ``--lora``'s adapters included."""
         return sum(_numel(s) for s in self.shapes().values())
 
     def build(self, load_weights: bool = True):
@@ -116,12 +123,19 @@ class HFCausalLM:
         self.label = f"Hugging Face {self.info.architecture}"
         self.source = f" from {cfg.hf_model}"
 
-    def shapes(self) -> dict[str, tuple[int, ...]]:
+    def meta(self) -> torch.nn.Module:
+        """The model as the run builds it (with ``--lora``'s adapters), on the meta device."""
         from ..models.hf import build_meta
 
-        return {n: tuple(p.shape) for n, p in build_meta(self.cfg.hf_model).named_parameters()}
+        model = build_meta(self.cfg.hf_model)
+        return with_adapters(model, self.cfg, builtin=False) if self.cfg.lora else model
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter names and shapes, as the run's model has them."""
+        return {n: tuple(p.shape) for n, p in self.meta().named_parameters()}
 
     def params(self) -> int:
+        """Every parameter the run's model holds, ``--lora``'s adapters included."""
         return sum(_numel(s) for s in self.shapes().values())
 
     def build(self, load_weights: bool = True):
@@ -199,9 +213,10 @@ def _sharded(model, cfg: TrainConfig, plan: dict, label: str, sizes, **options):
     it splits (``sizes()``) checked to divide by tp (``models/tp.py``)."""
     if cfg.tp == 1:
         return shard(model, config=cfg.zero, **options)
-    from ..models.tp import check_degree, device_mesh, parallelize
+    from ..models.tp import device_mesh, parallelize
+    from ..spec.dims import check_tp_degree
 
-    check_degree(cfg.tp, label, sizes())
+    check_tp_degree(cfg.tp, label, sizes())
     mesh = device_mesh(cfg.tp, cfg.zero.shard_group)
     parallelize(model, mesh["tp"], plan)
     return shard(model, config=cfg.zero, mesh=mesh, **options)

@@ -16,7 +16,13 @@ def export(ckpt, out, dtype: str, max_shard_bytes: int, merge: bool) -> str | No
     trained without adapters (``merge`` is then refused)."""
     from ..checkpoint.exportdir import check as check_out_dir
     from ..checkpoint.hflayout import carry_over, check_export
-    from ..checkpoint.loraexport import adapted_layers, export_adapter, export_merged
+    from ..checkpoint.loraexport import (
+        ADAPTER_CONFIG,
+        ADAPTER_FILE,
+        adapted_layers,
+        export_adapter,
+        export_merged,
+    )
     from ..checkpoint.sharded import read_manifest, resolve
     from .config import TrainConfig
 
@@ -28,19 +34,27 @@ def export(ckpt, out, dtype: str, max_shard_bytes: int, merge: bool) -> str | No
         return None
     cfg = TrainConfig.from_dict(saved, where=f"{ckpt}'s settings")
     builtin = not cfg.hf_model
-    out = check_out_dir(out)
     if not merge:
+        out = check_out_dir(out, (ADAPTER_FILE, ADAPTER_CONFIG), weights=False)
         written = export_adapter(ckpt, out, _adapter_config(cfg, builtin), dtype)
         return f"the LoRA r={cfg.lora} adapter ({len(written['adapter_model.safetensors'])} " \
                "tensors) in peft's layout"
     if cfg.hf_model:
         check_export(cfg.hf_model, out)
+    out = check_out_dir(out, _carried(cfg))
     layers = adapted_layers(_meta_model(cfg, builtin))
     layout = export_merged(ckpt, out, layers, dtype, max_shard_bytes)
     copied = carry_over(cfg.hf_model, out, dtype) if cfg.hf_model else []
     also = f", and {', '.join(copied)} from {cfg.hf_model}" if copied else ""
     count = sum(len(v) for v in layout.values())
     return f"{count} tensors with {len(layers)} adapters merged{also}"
+
+
+def _carried(cfg) -> list[str]:
+    """The files a merged export copies from the run's model folder."""
+    from ..checkpoint.hflayout import carried_files
+
+    return [p.name for p in carried_files(cfg.hf_model)] if cfg.hf_model else []
 
 
 def _adapter_config(cfg, builtin: bool):

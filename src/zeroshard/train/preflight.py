@@ -14,10 +14,11 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from .._paths import folder, output_file
+from .._paths import claim, folder, output_file
 from . import hostmem
+from .adapters import check_compile
 from .config import TrainConfig
-from .resume import checkpoint_to_resume
+from .resume import checkpoint_to_resume, weights_checkpoint
 
 
 def _same_model(where: str, found: dict[str, tuple[int, ...]],
@@ -41,6 +42,7 @@ def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> int:
 
     ckpt = resolve(checkpoint_to_resume(cfg))
     manifest = read_manifest(ckpt)
+    _same_adapters(cfg, ckpt, manifest["extra"].get("config"))
     _same_model(str(ckpt), {n: p["shape"] for n, p in manifest["params"].items()}, shapes,
                 source)
     extra = manifest["extra"]
@@ -56,15 +58,41 @@ def resume(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> int:
     return done
 
 
+def _same_adapters(cfg: TrainConfig, ckpt: Path, saved) -> None:
+    """A run resumes with the adapters its checkpoint was trained with: a LoRA checkpoint
+    with ``--lora``, a plain one without (whose weights start LoRA fine-tuning through
+    ``--init-from``)."""
+    saved_rank = saved.get("lora") if isinstance(saved, dict) else None
+    if saved_rank and cfg.lora is None:
+        raise ValueError(f"resume={cfg.resume!r}: {ckpt} was trained with LoRA r={saved_rank} "
+                         f"adapters; resume it with lora={saved_rank} (and its lora_targets), "
+                         "or merge them (zeroshard export --merge) and start from the merged "
+                         "weights with init_from")
+    if cfg.lora is not None and isinstance(saved, dict) and not saved_rank:
+        raise ValueError(f"resume={cfg.resume!r}: {ckpt} was trained without adapters, and "
+                         f"lora={cfg.lora} adds them; to fine-tune its weights with LoRA, "
+                         f"start from them: init_from={str(ckpt)!r} (not resume)")
+
+
 def init_from(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], source) -> None:
-    """The weights to start from: safetensors (a file, or a folder with an export) holding
-    this model's parameters."""
+    """The weights to start from: safetensors (a file, or a folder with an export), or a
+    zeroshard checkpoint (its weights alone), holding this model's parameters — a LoRA
+    run's base model's, under the base model's names."""
     from ..checkpoint.consolidated import _weight_map
+    from ..checkpoint.load import peft_base_name
     from ..checkpoint.tensorfile import TensorFile
 
     path = Path(cfg.init_from)
     if not path.exists():
         raise ValueError(f"init_from={cfg.init_from!r}: no such file or folder")
+    if cfg.lora is not None:  # the files hold the base model, the adapters start fresh
+        shapes = {peft_base_name(n): s for n, s in shapes.items() if peft_base_name(n)}
+    if weights_checkpoint(path):
+        from ..checkpoint.sharded import read_manifest, resolve
+
+        ckpt = resolve(path)
+        found = {n: tuple(p["shape"]) for n, p in read_manifest(ckpt)["params"].items()}
+        return _same_model(f"init_from={cfg.init_from!r}", found, shapes, source)
     try:
         wmap = _weight_map(path)
         found, opened = {}, {}
@@ -91,7 +119,10 @@ def _save_dir(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]]):
         for d in shape:
             n *= d
         params += n
-    savedir.check(cfg.save_dir, 2 * savedir.checkpoint_bytes(params, cfg.zero.recipe))
+    from .save import save_due
+
+    savedir.check(cfg.save_dir, 2 * savedir.checkpoint_bytes(params, cfg.zero.recipe),
+                  lambda step: save_due(cfg, step), cfg.steps)
     return savedir.hold(cfg.save_dir)
 
 
@@ -104,10 +135,11 @@ def check(cfg: TrainConfig, source=None):
 
     source = source or model_source(cfg)
     if cfg.tp > 1:  # the heads and widths the plan splits (the ranks check again)
-        from ..models.tp import check_degree
+        from ..spec.dims import check_tp_degree
 
-        check_degree(cfg.tp, source.label, source.tp_sizes())
-    shapes = source.shapes()
+        check_tp_degree(cfg.tp, source.label, source.tp_sizes())
+    shapes = source.shapes()  # the model with --lora's adapters: their rules checked
+    check_compile(cfg.compile)
     if cfg.hf_model and cfg.sample_chars:
         source.tokenizer()
     if checkpoint_to_resume(cfg) is not None:
@@ -117,7 +149,10 @@ def check(cfg: TrainConfig, source=None):
     if cfg.json_log:
         output_file("json_log", cfg.json_log)
     if cfg.profile:
+        from .profile import PROFILE_FILES, PROFILE_PATTERNS
+
         folder("profile", cfg.profile)
+        claim("profile", cfg.profile, PROFILE_FILES, PROFILE_PATTERNS)
         try:
             source.architecture()
         except ValueError as exc:

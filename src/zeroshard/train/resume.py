@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint.consolidated import load_pretrained
-from ..checkpoint.load import load
+from ..checkpoint.load import load, load_weights
 from ..checkpoint.sharded import LATEST, MANIFEST, read_manifest, resolve
 from . import restart
 from .config import TrainConfig
@@ -70,6 +70,14 @@ def _same(key: str, value):
     return value
 
 
+def weights_checkpoint(path: str | Path) -> bool:
+    """Whether ``init_from`` names a zeroshard checkpoint (a folder with a manifest, or a
+    save folder with ``latest``) rather than safetensors weights."""
+    path = Path(path)
+    return path.is_dir() and ((path / MANIFEST).is_file() or (path / LATEST).is_file()) \
+        or (path.name == LATEST and path.is_file())
+
+
 def resume(run: Run) -> int:
     """Resume if there is something to resume: ``run.checkpoint``'s weights, optimizer
     state, schedule, loss scale and skipped-step counters, or ``init_from``'s weights.
@@ -79,7 +87,10 @@ def resume(run: Run) -> int:
     began = time.perf_counter()
     restarts = restart.gather(run)
     if run.checkpoint is None:
-        if cfg.init_from:
+        if cfg.init_from and weights_checkpoint(cfg.init_from):  # its weights alone
+            load_weights(run.model, cfg.init_from)
+            out.note(f"loaded the weights of checkpoint {resolve(cfg.init_from)}")
+        elif cfg.init_from:
             load_pretrained(run.model, cfg.init_from)
             out.note(f"loaded weights from {cfg.init_from}")
         restart.announce(run, None, {}, restarts, time.perf_counter() - began)

@@ -151,6 +151,19 @@ def read(path: str | Path, tag: str | None = None) -> Checkpoint:
     if not path.is_dir():
         raise ValueError(f"{path}: no such folder")
     folder = tag_folder(path, tag)
+    latest = path / "latest"
+    ours = [f for f in (path, path / latest.read_text(errors="replace").strip()
+                        if latest.is_file() else path) if (f / "manifest.json").is_file()]
+    if folder is None and ours:
+        raise ValueError(f"{path} is a zeroshard checkpoint ({ours[0]} holds its "
+                         "manifest.json), not a DeepSpeed one: zs.load and --resume read it "
+                         "as it is")
+    if folder is None and tag is None and latest.is_file():
+        named = latest.read_text(errors="replace").strip()
+        tags = sorted(p.name for p in path.iterdir() if p.is_dir())
+        raise ValueError(f"{latest} names the tag {named!r}, but {path / named} holds no "
+                         f"DeepSpeed files (*_model_states.pt, *_optim_states.pt); the tag "
+                         f"folders in {path}: {tags}: give one with --tag")
     if folder is None:
         raise ValueError(f"{path} is not a DeepSpeed checkpoint: no `latest` file naming a "
                          "tag folder, and no *_model_states.pt or *_optim_states.pt in it")
