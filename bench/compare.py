@@ -62,7 +62,7 @@ def _tp_mesh(model):
     from torch.distributed.device_mesh import init_device_mesh
 
     from zeroshard.models.gpt import GPT
-    from zeroshard.models.tp import parallelize
+    from zeroshard.models.tpplan import parallelize
 
     mesh = init_device_mesh("cpu", (dist.get_world_size() // TP, TP),
                             mesh_dim_names=("dp", "tp"))

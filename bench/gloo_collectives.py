@@ -30,7 +30,7 @@ def _rank(numel: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zeroshard.runtime.comm.collectives import Collectives
+    from zeroshard.runtime.collectives import Collectives
     from zeroshard.runtime.ledger import Ledger
     from zeroshard.runtime.mesh import Mesh
 

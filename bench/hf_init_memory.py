@@ -38,8 +38,8 @@ def _rank(folder: str, trainer: bool) -> dict:
 
     import zeroshard as zs
     from zeroshard.spec.config import ZeroConfig
-    from zeroshard.train.config import TrainConfig
     from zeroshard.train.hfmodel import HFCausalLM
+    from zeroshard.train.settings import TrainConfig
 
     # warm-up: imports, process groups, transformers' lazy modules, first-use buffers
     warm = zs.shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), stage=3)

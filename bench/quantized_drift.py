@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from zeroshard.cli import main as cli  # noqa: E402
-from zeroshard.runtime.spawn import spawn  # noqa: E402
+from zeroshard.runtime.spawn import spawn
 
 QUANT = {"quantize_weights": True, "quantize_grads": True}
 

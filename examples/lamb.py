@@ -20,7 +20,7 @@ Predict first:
 Then check: the first line below is naive slicing (zeroshard cannot tell what a
 subclass of Lamb does, warns, and lets it step the rows as it is), the second is
 ``zs.shard(..., stage=1)`` with ``zeroshard.optim.Lamb``, which the engine steps with
-the norms all-reduced (``runtime/step/reduced.py``).
+the norms all-reduced (``runtime/whole.py``).
 """
 
 from __future__ import annotations

@@ -553,11 +553,11 @@ def misuse_grid():
 
 def collectives_grid():
     """The engine's reduce-scatter and all-gather (on gloo: a pairwise exchange at two
-    ranks, else an all-reduce in place, and N broadcasts, ``runtime/comm/gloo.py``)
+    ranks, else an all-reduce in place, and N broadcasts, ``runtime/collectives.py``)
     against torch's own, bit for bit, over the whole world and over two halves of it;
     then stages 0-3 trained over the halves."""
-    from zeroshard.runtime.comm import collectives
-    from zeroshard.runtime.comm.collectives import Collectives
+    from zeroshard.runtime import collectives
+    from zeroshard.runtime.collectives import Collectives
     from zeroshard.runtime.ledger import Ledger
     from zeroshard.runtime.mesh import Mesh
 

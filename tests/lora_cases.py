@@ -74,8 +74,8 @@ def train(kind: str, stage, steps: int, model=None, seen=None):
 
 def planned(kind: str, config) -> dict:
     """The planner's figures for this LoRA model (``zeroshard plan --lora``)."""
+    from zeroshard.plan.adaptercount import with_lora
     from zeroshard.plan.arch import Architecture, ModelSpec
-    from zeroshard.plan.lora import with_lora
     from zeroshard.plan.memory import model_state_bytes
     from zeroshard.spec.dims import ParallelDims
     from zeroshard.spec.lora import LoraSpec

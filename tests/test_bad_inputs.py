@@ -29,8 +29,8 @@ from zeroshard.checkpoint import savedir
 from zeroshard.checkpoint.consolidated import export
 from zeroshard.cli import main
 from zeroshard.models.gpt import GPT, get_preset
-from zeroshard.train.config import TrainConfig
 from zeroshard.train.loop import train
+from zeroshard.train.settings import TrainConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-inputs.md"
 LAUNCHED = "inside the ranks"  # the section whose inputs are real launches

@@ -26,10 +26,10 @@ from zeroshard.checkpoint.exportdir import INDEX, SINGLE
 from zeroshard.cli import main
 from zeroshard.plan import ParallelDims, ZeroConfig, get_recipe
 from zeroshard.plan.memory import comm_bytes
-from zeroshard.train.config import TrainConfig, processes
 from zeroshard.train.failure import told
 from zeroshard.train.loop import train
 from zeroshard.train.report import planned_comm
+from zeroshard.train.settings import TrainConfig, processes
 
 
 @pytest.fixture(scope="module")

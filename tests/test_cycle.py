@@ -6,7 +6,7 @@ error on every rank, never a hang, and so are models that differ between ranks."
 import pytest
 
 from zeroshard.runtime.spawn import spawn
-from zeroshard.runtime.step.cycle import CycleState, StepCycle
+from zeroshard.runtime.stepping import CycleState, StepCycle
 
 from . import engine_cases as cases
 

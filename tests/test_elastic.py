@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeroshard.train.config import TrainConfig
 from zeroshard.train.resume import checkpoint_to_resume
+from zeroshard.train.settings import TrainConfig
 
 pytestmark = pytest.mark.dist
 

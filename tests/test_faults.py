@@ -181,8 +181,8 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
 def _final_save_blocked(folder: str):
     from zeroshard.checkpoint import sharded
     from zeroshard.checkpoint.sharded import SaveFailed
-    from zeroshard.train.config import TrainConfig
     from zeroshard.train.loop import train
+    from zeroshard.train.settings import TrainConfig
 
     write = sharded.write_tensors
 

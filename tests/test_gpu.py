@@ -63,8 +63,8 @@ def test_stages_agree_on_cuda(precision):
 
 def _trainer():
     from zeroshard.spec.config import ZeroConfig
-    from zeroshard.train.config import TrainConfig
     from zeroshard.train.loop import train
+    from zeroshard.train.settings import TrainConfig
 
     return train(TrainConfig(model="tiny", zero=ZeroConfig(stage=3), steps=4, batch=8,
                              eval_every=2, eval_batches=1, sample_chars=8))

@@ -123,8 +123,8 @@ def _sharded_logits(runs: dict, folders: dict) -> tuple[dict, dict]:
     N), and each of ``folders`` read by it, each rank its rows; their logits on PROBE."""
     from zeroshard.checkpoint import load
     from zeroshard.spec.config import ZeroConfig
-    from zeroshard.train.config import TrainConfig
     from zeroshard.train.hfmodel import HFCausalLM
+    from zeroshard.train.settings import TrainConfig
 
     trained, read = {}, {}
     for out, items in ((trained, runs), (read, folders)):
@@ -250,7 +250,7 @@ def test_tensorboard_scalars(runs):
 
 
 def test_config_file_keys_follow_the_flags(runs, tmp_path):
-    from zeroshard.train.config import resolve
+    from zeroshard.train.settings import resolve
 
     root = runs["root"]
     path = tmp_path / "run.json"

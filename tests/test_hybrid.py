@@ -9,7 +9,7 @@ import zeroshard as zs
 from zeroshard.plan import ParallelDims, ZeroConfig, get_recipe, model_state_bytes
 from zeroshard.plan.memory import comm_bytes, ring_all_reduce
 from zeroshard.runtime.spawn import spawn
-from zeroshard.runtime.unit.readout import memory as unit_memory
+from zeroshard.runtime.unit import memory as unit_memory
 
 from . import engine_cases as cases
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zeroshard.runtime.build.units import select_units
+from zeroshard.runtime.build import select_units
 from zeroshard.runtime.spawn import spawn
-from zeroshard.runtime.unit.layout import ShardLayout, dim0_chunk
+from zeroshard.runtime.unit import ShardLayout, dim0_chunk
 
 from . import engine_cases as cases
 from .engine_cases import MLP, Block

@@ -17,8 +17,8 @@ pytest.importorskip("peft")
 
 
 def test_planner_counts_peft_adapters_on_llama_7b():
+    from zeroshard.plan.adaptercount import adapter_params, with_lora
     from zeroshard.plan.arch import ModelSpec, get_preset
-    from zeroshard.plan.lora import adapter_params, with_lora
     from zeroshard.spec.lora import LoraSpec
 
     arch = get_preset("llama2-7b")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import zeroshard as zs
 from zeroshard.runtime.spawn import spawn
-from zeroshard.runtime.step.nonfinite import NonFiniteGradients
+from zeroshard.runtime.stepping import NonFiniteGradients
 
 from . import engine_cases as cases
 

@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
+from zeroshard.offload import HostAdamW
 
 import zeroshard as zs
-from zeroshard.offload import HostAdamW
 from zeroshard.runtime.spawn import spawn
 
 from . import engine_cases as cases

@@ -13,9 +13,9 @@ import subprocess
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from zeroshard.offload import HostAdamW
 
 import zeroshard as zs
-from zeroshard.offload import HostAdamW
 from zeroshard.runtime.spawn import spawn
 
 from . import engine_cases as cases

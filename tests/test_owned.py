@@ -133,8 +133,8 @@ def test_an_incurable_failure_is_not_restarted(tmp_path, capfd):
 
 
 def _train_once(folder: str) -> None:
-    from zeroshard.train.config import TrainConfig
     from zeroshard.train.loop import train
+    from zeroshard.train.settings import TrainConfig
 
     train(TrainConfig(nproc=1, model="tiny", steps=2, batch=2, eval_every=2, eval_batches=1,
                       sample_chars=0, save_dir=folder))
@@ -143,8 +143,8 @@ def _train_once(folder: str) -> None:
 def _lora_from(folder: str) -> dict[str, torch.Tensor]:
     """On every rank: the same LoRA run twice, from the export and from the checkpoint
     it was exported from; rank 0 returns both runs' full weights."""
-    from zeroshard.train.config import TrainConfig
     from zeroshard.train.loop import train
+    from zeroshard.train.settings import TrainConfig
 
     weights = {}
     for source in ("export", "ckpt"):

@@ -31,8 +31,8 @@ from zeroshard.plan.hardware import (
     get_network,
 )
 from zeroshard.plan.memory import plan_all
-from zeroshard.plan.offload import placed_bytes, streamed_step
 from zeroshard.plan.peak import peak
+from zeroshard.plan.placement import placed_bytes, streamed_step
 from zeroshard.plan.recommend import recommend
 from zeroshard.plan.steptime import step_time
 

@@ -1,4 +1,4 @@
-"""The planner's offload (``plan/offload.py``) against the engine's ledger by placement.
+"""The planner's offload (``plan/placement.py``) against the engine's ledger by placement.
 
 ``ENGINE`` is what ``model.memory(optimizer, by_placement=True)`` reported in a step
 pre-hook at the second step on each of N = 2 gloo ranks (``engine_cases``' MLP, units by
@@ -14,7 +14,7 @@ import pytest
 
 import zeroshard as zs
 from zeroshard.plan import PLANNED_DISK, ParallelDims, ZeroConfig, get_recipe
-from zeroshard.plan.offload import (
+from zeroshard.plan.placement import (
     SUB_GROUP_SIZE,
     disk_io_bytes,
     host_step_bytes,

@@ -249,9 +249,9 @@ def test_profiled_hf_model_run(tmp_path, model, stage, recipe, measured, before)
 
 def test_train_profile_knows_where_each_loss_runs(tmp_path):
     """The trainer's Hugging Face loss runs outside the model, the built-in GPT's in it."""
-    from zeroshard.train.config import TrainConfig
     from zeroshard.train.hfmodel import BuiltinGPT, HFCausalLM
     from zeroshard.train.profile import _loss_outside
+    from zeroshard.train.settings import TrainConfig
 
     assert _loss_outside(object.__new__(HFCausalLM))
     assert not _loss_outside(BuiltinGPT(TrainConfig()))

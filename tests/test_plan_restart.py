@@ -1,4 +1,4 @@
-"""What a restart costs, planned (``plan/restart.py``): the loss per failure, the save
+"""What a restart costs, planned (``plan/failures.py``): the loss per failure, the save
 interval of Young (1974) and Daly (2006), the checkpoint held against the trainer's, and
 ``zeroshard plan --time/--recommend --save-every --mtbf-hours``."""
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from zeroshard.cli import main
-from zeroshard.plan.restart import (
+from zeroshard.plan.failures import (
     RestartCost,
     best_save_every,
     checkpoint_bytes,
@@ -118,6 +118,6 @@ def test_plan_time_and_recommend_price_restarts(capsys):
 
 
 def test_the_restart_model_never_imports_torch():
-    done = subprocess.run([sys.executable, "-c", "import sys, zeroshard.plan.restart; "
+    done = subprocess.run([sys.executable, "-c", "import sys, zeroshard.plan.failures; "
                            "assert 'torch' not in sys.modules"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

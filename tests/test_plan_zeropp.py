@@ -79,7 +79,7 @@ def _grid() -> dict:
     import torch.nn.functional as F
 
     import zeroshard as zs
-    from zeroshard.runtime.unit.readout import memory as unit_memory
+    from zeroshard.runtime.unit import memory as unit_memory
 
     from . import engine_cases as cases
     from .test_plan_hybrid import step_seeing_memory

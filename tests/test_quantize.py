@@ -1,4 +1,4 @@
-"""Block-quantized collectives (``runtime/comm/quantize.py``): the int8 + fp32-scale format's
+"""Block-quantized collectives (``runtime/quantize.py``): the int8 + fp32-scale format's
 error bound, exact cases, zero and short blocks, non-finite propagation and determinism;
 then on 4 real gloo ranks (the world and two sub-groups of 2) the quantized all-gather
 and reduce-scatter against their oracles bit for bit, within the stated bound of the
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zeroshard.runtime.comm.quantize import (
+from zeroshard.runtime.quantize import (
     QUANT_BLOCK,
     _dequantize_rows,
     _quantize_rows,

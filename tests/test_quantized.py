@@ -7,7 +7,7 @@ import pytest
 
 import zeroshard as zs
 from zeroshard.plan.memory import ring_one_way
-from zeroshard.runtime.comm.quantize import quantized_nbytes
+from zeroshard.runtime.quantize import quantized_nbytes
 from zeroshard.runtime.spawn import spawn
 
 from . import engine_cases as cases

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.dist
 
 
 def _grid():
-    from zeroshard.demo import experiment
+    from zeroshard.experiment import experiment
 
     return {"parity": cases.parity_grid(["mlp", "gpt"], ["plain"], steps=10),
             "demo": experiment(10, 50),

@@ -1,6 +1,6 @@
 """ZeRO composed with tensor parallelism on 4 gloo ranks (one spawn for the file): the
 built-in GPT and a Hugging Face Llama, parallelized with torch's own styles
-(``models/tp.py``) and sharded by ``zs.shard(..., mesh=)``, as dp 2 × tp 2, tp 4, dp 4
+(``models/tpplan.py``) and sharded by ``zs.shard(..., mesh=)``, as dp 2 × tp 2, tp 4, dp 4
 and hybrid 2 × 1 × 2, at stages 0-3.
 
 - SGD: the four stages of a layout agree bit for bit after 3 steps, and are within 1e-6

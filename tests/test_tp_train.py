@@ -17,8 +17,8 @@ import pytest
 from zeroshard.cli import main
 from zeroshard.runtime.spawn import spawn
 from zeroshard.spec.config import ZeroConfig
-from zeroshard.train.config import TrainConfig
 from zeroshard.train.loop import train
+from zeroshard.train.settings import TrainConfig
 
 pytestmark = pytest.mark.dist
 

@@ -14,8 +14,8 @@ from zeroshard.commands.train import _config
 from zeroshard.runtime.spawn import spawn
 from zeroshard.spec.config import ZeroConfig
 from zeroshard.train import early
-from zeroshard.train.config import TrainConfig, engine_keys, from_deepspeed, resolve
 from zeroshard.train.loop import train
+from zeroshard.train.settings import TrainConfig, engine_keys, from_deepspeed, resolve
 
 pytestmark = pytest.mark.dist
 

@@ -117,10 +117,10 @@ def test_no_module_imports_itself_back():
     assert _cycles(_graph()) == []
 
 
-@pytest.mark.parametrize("depth, under", [(2, "zeroshard"), (3, "zeroshard.runtime")])
+@pytest.mark.parametrize("depth, under", [(2, "zeroshard"), (3, "zeroshard.checkpoint")])
 def test_no_package_imports_itself_back(depth, under):
     """Between the top-level packages (plan, spec, runtime, checkpoint, models...) and
-    between the engine's sub-packages (build, model, unit, comm, schedule, step)."""
+    between the checkpoint's (its DeepSpeed reader)."""
     assert _cycles(_packages(_graph(), depth, under)) == []
 
 
@@ -149,10 +149,50 @@ def test_the_spec_and_the_planner_never_import_torch():
     assert out.returncode == 0, out.stderr
 
 
-def test_runtime_files_stay_short():
-    long = {str(p.relative_to(PKG)): n for p in (PKG / "runtime").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 320}
-    assert not long, long
+#: Functions allowed past 80 lines, each with its reason: a long function is split where
+#: it has parts, not where a count says.
+LONG_FUNCTIONS: dict[str, str] = {
+    "commands/plan.py:add_arguments": "the planner's flags, one add_argument call each",
+    "plan/steptime.py:step_time": "the step-time model read top to bottom: each cost beside "
+                                  "the engine behaviour it prices, then the pass simulated",
+}
+
+
+def _functions(path: Path):
+    """(qualified name, lines) of every function and method in ``path``."""
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                yield name, child.end_lineno - child.lineno + 1
+                yield from walk(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}{child.name}.")
+    yield from walk(ast.parse(path.read_text()), "")
+
+
+def test_modules_by_concept_functions_short():
+    """A module as long as its concept needs, up to 1,200 lines (FSDP2's core files run
+    600-1,100); a function up to 80, but the few named in ``LONG_FUNCTIONS``; the engine
+    in at most 25 modules, no sub-packages of fragments."""
+    files = {p: len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    assert not {str(p): n for p, n in files.items() if n > 1200}
+    long = {f"{p.relative_to(PKG)}:{name}": n for p in files for name, n in _functions(p)
+            if n > 80}
+    assert set(long) <= set(LONG_FUNCTIONS), long
+    runtime = sorted(p.relative_to(PKG / "runtime") for p in (PKG / "runtime").rglob("*.py"))
+    assert len(runtime) <= 25, runtime
+    assert all(len(p.parts) == 1 for p in runtime), runtime
+
+
+def test_no_two_modules_share_a_name():
+    """A file's name says its role: no two modules of the package are named alike
+    (``adapters.py`` meant three things)."""
+    seen: dict[str, list[str]] = {}
+    for p in PKG.rglob("*.py"):
+        if p.name != "__init__.py":
+            seen.setdefault(p.name, []).append(str(p.relative_to(PKG)))
+    assert not {n: where for n, where in seen.items() if len(where) > 1}
 
 
 def _stage_tests(tree: ast.AST):
@@ -177,7 +217,7 @@ def test_only_the_spec_compares_stage_numbers():
     """Outside ``spec/`` nothing in the engine, the ledger, clipping, checkpoints, offload,
     the profiler, the planner, the trainer or the commands compares a stage number: they
     ask the policy."""
-    for sub in ("runtime", "observe", "checkpoint", "offload", "plan", "train", "commands"):
+    for sub in ("runtime", "observe", "checkpoint", "plan", "train", "commands"):
         for path in (PKG / sub).rglob("*.py"):
             for line in _stage_tests(ast.parse(path.read_text())):
                 raise AssertionError(f"{path}:{line} compares a stage")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import zeroshard as zs
 from zeroshard.models.gpt import GPT, GPTConfig
-from zeroshard.models.tp import hf_plan, parallelize
+from zeroshard.models.tpplan import hf_plan, parallelize
 
 BATCH, SEQ, VOCAB = 8, 8, 32
 GPT_TINY = GPTConfig(vocab=VOCAB, block_size=SEQ, layers=2, heads=4, hidden=16)
@@ -270,7 +270,7 @@ def nonfinite_in_one_slice(clip):
 def out_of_step_across_tp():
     """dp 2 × tp 2: tp rank 1 of data-parallel rank 0 (rank 1) alone clips; the ranks'
     fingerprints (their control group spans every rank of the mesh) stop every rank."""
-    from zeroshard.runtime.comm.watch import RanksOutOfStep
+    from zeroshard.runtime.watch import RanksOutOfStep
 
     mesh = mesh_of("dp2tp2")
     model = tp_model("gpt", mesh, 2)
@@ -300,7 +300,7 @@ def _trained(layout: str, stage: int, steps: int = 2):
 
 def full_state(model, opt) -> dict:
     """The full weights and the full moments (the optimizer's state dict speaks DTensor,
-    ``step/optim_state.py``): a collective."""
+    ``dtensor.py``): a collective."""
     names = [n for n, _ in model.named_shards()]
     moments = {f"{names[i]}::{k}": v.full_tensor()
                for i, state in sorted(opt.state_dict()["state"].items())

@@ -191,7 +191,7 @@ def max_rel_diff(a: dict, b: dict) -> float:
 def attempt(fn):
     """``fn()``'s result, or the (type, message) of the ValueError, NotImplementedError
     or RanksOutOfStep it raised."""
-    from zeroshard.runtime.comm.watch import RanksOutOfStep
+    from zeroshard.runtime.watch import RanksOutOfStep
 
     try:
         return fn()

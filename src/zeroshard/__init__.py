@@ -14,17 +14,17 @@ from zeroshard._version import __version__
 _LAZY = {
     "init_distributed": "zeroshard.runtime.dist",
     "shard": "zeroshard.api",
-    "ShardedModel": "zeroshard.runtime.model.sharded",
+    "ShardedModel": "zeroshard.runtime.model",
     "ZeroConfig": "zeroshard.spec.config",
-    "init_weights": "zeroshard.runtime.build.materialize",
+    "init_weights": "zeroshard.runtime.build",
     "save": "zeroshard.checkpoint",
     "load": "zeroshard.checkpoint",
     "load_pretrained": "zeroshard.checkpoint",
-    "GradScaler": "zeroshard.runtime.step.scaler",
+    "GradScaler": "zeroshard.runtime.scaler",
     # the errors a run can meet on every rank alike (docs/faults.md)
-    "NonFiniteGradients": "zeroshard.runtime.step.nonfinite",
-    "RanksOutOfStep": "zeroshard.runtime.comm.watch",
-    "CollectiveTimeout": "zeroshard.runtime.comm.watch",
+    "NonFiniteGradients": "zeroshard.runtime.stepping",
+    "RanksOutOfStep": "zeroshard.runtime.watch",
+    "CollectiveTimeout": "zeroshard.runtime.watch",
     "SaveFailed": "zeroshard.checkpoint.sharded",
 }
 

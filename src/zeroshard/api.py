@@ -12,7 +12,7 @@ import dataclasses
 import torch.nn as nn
 
 from ._errorline import told_plainly
-from .runtime.model.sharded import ShardedModel
+from .runtime.model import ShardedModel
 from .spec.config import ZeroConfig
 
 

@@ -124,7 +124,7 @@ def load_hf_weights(model, path: str | Path) -> None:
         base = base_model(model.module)[1]
         for e in entries(model):
             if base(e.name) is None:
-                continue  # an adapter: initialised at shard time (train/adapters.py)
+                continue  # an adapter: initialised at shard time (train/peftmodel.py)
             if e.name not in names:
                 why = ("transformers converts this model's checkpoint tensors on load, which "
                        "reading rows cannot follow; save it with this transformers version "

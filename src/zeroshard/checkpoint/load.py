@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..runtime.step.optim_state import attach
+from ..runtime.dtensor import attach
 from .arguments import path_given, sharded_model
 from .optstate import optimizers
 from .sharded import entries, read_manifest, resolve, verify, verify_contents

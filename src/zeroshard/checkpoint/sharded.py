@@ -34,10 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..runtime.step.optim_state import attach
-from ..runtime.unit.layout import dim0_chunk
-from ..runtime.unit.local import tp_dim
-from ..runtime.unit.readout import held_rows
+from ..runtime.dtensor import attach
+from ..runtime.unit import dim0_chunk, held_rows, tp_dim
 from .arguments import check_save, said
 from .foreign import refuse_foreign
 from .optstate import optimizers, state_layout, state_of
@@ -53,7 +51,7 @@ def _rows(shape) -> int:
 
 def own_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     """Rows [a, b) that rank r of ``world`` holds in a checkpoint: its dim-0 chunk, the
-    same arithmetic as the engine's shards (``runtime/unit/layout.py``)."""
+    same arithmetic as the engine's shards (``runtime/unit.py``)."""
     return dim0_chunk(rows, rank, world)
 
 

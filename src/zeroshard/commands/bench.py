@@ -28,8 +28,8 @@ def _fits(args) -> None:
     """Refuse a --batch or --nproc whose ranks cannot fit this machine's memory (the
     trainer's check, ``train/hostmem.py``, on the same model at stage 3)."""
     from ..train import hostmem
-    from ..train.config import TrainConfig
     from ..train.hfmodel import BuiltinGPT
+    from ..train.settings import TrainConfig
 
     cfg = TrainConfig(nproc=args.nproc, model=args.model, batch=args.batch, sample_chars=0)
     hostmem.check(cfg, BuiltinGPT(cfg), spell=lambda name: f"--{name}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from .._host import PROCESS_BYTES, available_bytes, gb
-from ..demo import experiment
+from ..experiment import experiment
 from ..runtime.spawn import spawn
 
 

@@ -1,5 +1,5 @@
 """The plan command's LoRA flags: ``--lora R`` plans fine-tuning with adapters on a
-frozen base (``plan/lora.py``): the adapters' parameters train, with their gradients and
+frozen base (``plan/adaptercount.py``): the adapters' parameters train, with their gradients and
 optimizer state; the base is weights only, at the weights' dtype."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from ..plan.adaptercount import with_lora
 from ..plan.arch import ModelSpec
-from ..plan.lora import with_lora
 from ..spec.lora import DEFAULT_ROLES, LoraSpec
 
 

@@ -11,8 +11,8 @@ from ..plan import advice, render
 from ..plan.arch import ModelSpec
 from ..plan.comm import uses_zeropp, zeropp_dict
 from ..plan.memory import STRATEGIES, plan_all
-from ..plan.offload import disk_io_bytes, pcie_bytes
 from ..plan.peak import peak
+from ..plan.placement import disk_io_bytes, pcie_bytes
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
 from . import plan_time
@@ -112,7 +112,7 @@ def json_out(args, model, dims, config, work, budget, shown, r: Result) -> None:
 def _restarts(args, model, dims, config, r: Result, shown):
     """What a failure costs (``--save-every`` / ``--mtbf-hours``): at the step time of
     the first strategy shown that fits, else the first shown; the checkpoint written by
-    the K ranks of a shard group (``plan/restart.py``)."""
+    the K ranks of a shard group (``plan/failures.py``)."""
     st = next((t for t, p in zip(r.times, r.plans) if t.strategy in shown and p.fits),
               next(t for t in r.times if t.strategy in shown))
     return plan_time.restarts(args, model, config, st, dims.shard_size)

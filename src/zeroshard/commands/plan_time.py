@@ -12,6 +12,7 @@ import argparse
 import math
 from dataclasses import replace
 
+from ..plan.failures import RESTART_S, checkpoint_bytes, plan_restarts
 from ..plan.hardware import (
     ACCELERATORS,
     DEFAULT_ACCELERATOR,
@@ -25,7 +26,6 @@ from ..plan.hardware import (
     get_network,
 )
 from ..plan.recommend import HEADROOM, recommend
-from ..plan.restart import RESTART_S, checkpoint_bytes, plan_restarts
 from ..plan.steptime import Schedule, step_times
 from ..plan.workload import Workload
 from ..spec.config import PLANNED_DISK
@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--save-every", type=int, metavar="STEPS",
                    help="with --time or --recommend: what a failure costs a run that saves "
                         "a checkpoint every STEPS steps (detect, restart, load, the steps "
-                        "since the last save) and what saving costs (plan/restart.py)")
+                        "since the last save) and what saving costs (plan/failures.py)")
     t.add_argument("--mtbf-hours", type=float, metavar="H",
                    help="with --time or --recommend: the job's mean time between failures; "
                         "adds the share of the run lost and the save interval that loses "
@@ -198,7 +198,7 @@ def run_time(args, model, dims, config, work) -> list:
 
 
 def restarts(args, model, config, st, writers: int):
-    """``plan/restart.py``'s cost and sentence for steps of ``st`` (a StepTime), the
+    """``plan/failures.py``'s cost and sentence for steps of ``st`` (a StepTime), the
     checkpoint of ``config``'s recipe written by ``writers`` ranks at the host's disk
     bandwidth each."""
     return plan_restarts(st.step, checkpoint_bytes(model.params, config.recipe), writers,

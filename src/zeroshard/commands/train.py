@@ -33,7 +33,7 @@ from dataclasses import fields, replace
 from .._errorline import DEBUG
 from ..spec.config import ZeroConfig
 from ..train import early, flags, job, launchenv
-from ..train.config import TrainConfig, engine_keys, resolve
+from ..train.settings import TrainConfig, engine_keys, resolve
 from . import train_adapters
 
 #: How each engine field (ZeroConfig's) shows as a flag named after it (mixed_precision:

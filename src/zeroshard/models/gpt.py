@@ -98,7 +98,7 @@ class GPT(nn.Module):
 
     TP_PLAN = {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise",
                "blocks.*.proj": "rowwise", "blocks.*.fc": "colwise", "blocks.*.out": "rowwise"}
-    """Tensor parallelism (``models/tp.py``; Megatron-LM's split, Shoeybi et al., 2019):
+    """Tensor parallelism (``models/tpplan.py``; Megatron-LM's split, Shoeybi et al., 2019):
     q, k, v and the MLP's first linear cut on their output rows (whole heads per tp
     rank), the attention's and the MLP's output projections on their input columns and
     summed; embeddings, norms and the tied head stay whole on every tp rank."""

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..runtime.events import KINDS
-from ..runtime.unit.local import local
-from ..runtime.unit.state import UnitState
+from ..runtime.unit import UnitState, local
 
 __all__ = ["KINDS", "Event", "Profiler"]
 

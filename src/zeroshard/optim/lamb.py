@@ -13,7 +13,7 @@ holding some rows of x that took ||rows|| for ||x|| would scale its rows by anot
 ratio than the unsharded update (``examples/lamb.py`` measures how far). Each norm is a
 sum of squares over rows, so :func:`lamb` takes the function that turns the tensors into
 their whole sums of squares: alone, a local sum; on a sharded model the engine passes
-one that adds every rank's partial sums in one all-reduce (``runtime/step/reduced.py``),
+one that adds every rank's partial sums in one all-reduce (``runtime/whole.py``),
 and the update is the unsharded one to the last bits of an fp64 sum.
 
 The state has Adam's keys (``step``, ``exp_avg``, ``exp_avg_sq``), shaped like the

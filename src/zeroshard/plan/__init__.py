@@ -48,7 +48,7 @@ from .memory import (
     shard_degree,
     stage_of,
 )
-from .offload import OFFLOADS, Placement, pcie_bytes, placed_bytes
+from .placement import OFFLOADS, Placement, pcie_bytes, placed_bytes
 from .recommend import Recommendation, recommend
 from .steptime import Schedule, StepTime, step_time, step_times
 

@@ -16,7 +16,7 @@ from .arch import ModelSpec
 from .hardware import DEFAULT_HOST, HOSTS, Host
 from .layout import stages_taking
 from .memory import STRATEGIES, Workload, plan_strategy
-from .offload import host_step_bytes, owned, pcie_bytes
+from .placement import host_step_bytes, owned, pcie_bytes
 
 #: Largest GPU count :func:`min_gpus` searches, and the most ``zeroshard plan`` plans.
 MAX_GPUS = 1 << 20
@@ -148,7 +148,7 @@ def offload_offer(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, budg
     precision with the optimizer in host memory at each stage that takes it, then the
     weight shards too), its device and host bytes, and what a step of one micro-batch
     pays for it: the PCIe copies (gradients down in the master dtype, weights up) and
-    the host step, at ``host``'s rates (``plan/offload.py``). None when nothing fits
+    the host step, at ``host``'s rates (``plan/placement.py``). None when nothing fits
     even so."""
     host = host or HOSTS[DEFAULT_HOST]
     for offload in OFFLOADS:

@@ -246,7 +246,7 @@ class ModelSpec:
     """Every parameter's shape, where the optimizer's bytes depend on them (Muon,
     Adafactor): an ``nn.Module``'s own; an architecture's come from ``plan/shapes.py``."""
     trainable: int | None = None
-    """Parameters that train, of ``params`` (LoRA's adapters, ``plan/lora.py``): they
+    """Parameters that train, of ``params`` (LoRA's adapters, ``plan/adaptercount.py``): they
     alone have gradients and optimizer state. None: every one."""
 
     def __post_init__(self) -> None:

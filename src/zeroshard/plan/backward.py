@@ -1,4 +1,4 @@
-"""The backward pass unit by unit, as the engine runs it (``runtime/schedule/backward.py``): what
+"""The backward pass unit by unit, as the engine runs it (``runtime/schedule.py``): what
 one GPU holds beside its weights and optimizer state at each moment after the loss's
 backward.
 
@@ -12,7 +12,7 @@ head) ends last, its embedding being the first thing the forward used. Block uni
 - **end**: its saved tensors are freed and its full gradients made: stage 1 keeps them
   to the step (``grads``), stages 0, 2 and 3 until they are packed;
 - **issued**: its gradients packed into a reduction buffer, N slots in the reduce dtype
-  and at stages 1-3 the 1/N output (``runtime/schedule/reduce.py``). The engine issues a
+  and at stages 1-3 the 1/N output (``runtime/schedule.py``). The engine issues a
   reduction and then lands the oldest while more than two are in flight
   (``_flush``): three buffers exist as the third is issued, two after. A landed
   reduction leaves a slot: stage 1's reduced slot in the gradient dtype (``buffers``

@@ -31,8 +31,8 @@ def _cast(n: float, a: str, b: str, a_bytes: int, b_bytes: int) -> float:
 @dataclass(frozen=True)
 class CopyBytes:
     """Bytes (read + write) of the engine's memory-bound copies for one unit of Q
-    parameters over N ranks, per occurrence (``runtime/unit/unit.py``,
-    ``runtime/schedule/reduce.py``); w, g, r, m: bytes per element of weights,
+    parameters over N ranks, per occurrence (``runtime/unit.py``,
+    ``runtime/schedule.py``); w, g, r, m: bytes per element of weights,
     gradients, reduce dtype, master. ``.to`` between equal dtypes copies nothing.
     Padding and the presence flags are left out."""
 
@@ -91,7 +91,7 @@ def copy_bytes(config: ZeroConfig, dims: ParallelDims, unit_params: float,
     """:class:`CopyBytes` of one unit of ``unit_params`` parameters over the shard
     group's K ranks of ``dims``, as ``config`` runs it; ``gloo``: with the copies the
     engine adds around gloo's in-place all-gathers. Offloaded (the policy's placement,
-    ``plan/offload.py``), every landing casts the reduced slot to the master dtype on
+    ``plan/placement.py``), every landing casts the reduced slot to the master dtype on
     the device before it goes to the host (CUDA converts, then copies across), and the
     step's casts and the stage 1-2 all-gather input are made on the host (the input
     arrives by PCIe, no device copy). ZeRO++: qwZ's and qgZ's quantize and dequantize
@@ -104,7 +104,7 @@ def copy_bytes(config: ZeroConfig, dims: ParallelDims, unit_params: float,
     rd = recipe.reduce_dtype or gd
     gloo = gloo and dp > 1  # one rank: torch's own collectives, which are no-ops
     # gloo's reduce-scatter between two ranks: the received slot plus this rank's own,
-    # added into the output before the divide (runtime/comm/gloo.py)
+    # added into the output before the divide (runtime/collectives.py)
     pairwise = 3 * n * r if gloo and dp == 2 and not config.quantize_grads else 0.0
     if policy.averages_grads:
         land = Q * (r + g)  # _land_full_grads: divide, cast and copy in one pass

@@ -120,7 +120,7 @@ class Network:
     two ranks an exchange of slots, the ring's bytes, added and divided after) and an
     all-gather as N broadcasts in place (the shard copied into its slot first; above
     ``GLOO_BROADCAST_MAX`` ranks torch's all-gather, its output copied out of a flat
-    buffer); see ``runtime/comm/gloo.py``."""
+    buffer); see ``runtime/collectives.py``."""
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ from .comm import (  # noqa: F401 - re-exported: the planner's communication mod
     zeropp_dict,
 )
 from .layout import check_layout
-from .offload import Placement, placed_bytes
 from .optimizer import model_shapes, optimizer_comm
+from .placement import Placement, placed_bytes
 from .state import model_state_bytes  # noqa: F401 - re-exported
 from .tp import tp_counted, tp_unit_counts
 from .workload import (  # noqa: F401 - re-exported: the activation model
@@ -85,10 +85,10 @@ class StrategyPlan:
     comm_across: int = 0
     """Of ``comm``, the bytes sent across shard groups (the replicas' all-reduce)."""
     offload: str | None = None
-    """What this strategy keeps off the device (``plan/offload.py``); ``weights``,
+    """What this strategy keeps off the device (``plan/placement.py``); ``weights``,
     ``grads`` and ``optimizer`` are then the device's bytes."""
     placement: Placement | None = None
-    """With ``offload``: the :class:`~zeroshard.plan.offload.Placement` at the step."""
+    """With ``offload``: the :class:`~zeroshard.plan.placement.Placement` at the step."""
     secondary: int = 0
     """hpZ: bytes of every unit's secondary shards, held at the start of backward
     (K/K2 of the weights' K slots; the engine's ``gathered``); in ``total``."""
@@ -176,7 +176,7 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
     """Per-GPU bytes of ``config`` (its stage, recipe, offload and ZeRO++) on the layout
     ``dims``: the training state where the policy places it (the device's in
     ``weights``, ``grads`` and ``optimizer``; with offload the whole
-    :class:`~zeroshard.plan.offload.Placement`), activations of ``work``, hpZ's
+    :class:`~zeroshard.plan.placement.Placement`), activations of ``work``, hpZ's
     secondary shards, bytes on the wire by level. ZeRO++'s quantized slots are those
     of :func:`unit_sizes` at ``blocks_per_unit``."""
     check_layout(dims, config)

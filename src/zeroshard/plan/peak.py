@@ -27,14 +27,14 @@ beside the compute weights and the optimizer state it keeps:
 Gradients are held through backward only when accumulating (the step's first backward
 starts after ``zero_grad``): then the stored gradients, and at stage 1 the reduced slot.
 
-With offload (``ZeroConfig.offload``, ``plan/offload.py``) the moments count what stays
+With offload (``ZeroConfig.offload``, ``plan/placement.py``) the moments count what stays
 on the device: the master, the optimizer state, the fp32 gradient copies and the step's
 temporaries move to the host (:attr:`Peak.host`), with ``params`` the weight shards too,
 whose device copies join each gather in flight. With the optimizer on disk (the policy's
 placement) the device's moments are host offload's; the host holds what
 ``placed_bytes`` places there (the fp32 gradient copy and the step's sub-group buffers;
 the master and the states are in files) and no temporaries: the streamed step runs
-torch's fused AdamW kernel on each sub-group (``offload/stream.py``) whatever
+torch's fused AdamW kernel on each sub-group (``runtime/offload.py``) whatever
 ``optimizer_impl`` says.
 
 With hpZ (``ZeroConfig.secondary_group``) every unit keeps its secondary shards (K/K2 of
@@ -71,8 +71,8 @@ from .backward import BackwardPass, Moment
 from .comm import secondary_bytes
 from .layout import check_layout
 from .memory import unit_sizes
-from .offload import Placement, placed_bytes
 from .optimizer import model_shapes
+from .placement import Placement, placed_bytes
 from .state import owned
 from .tp import tp_counted, tp_unit_counts, tp_units
 from .workload import Workload, activation_saved

@@ -7,8 +7,8 @@ from ..spec.dims import ParallelDims
 from ..spec.policy import ShardPolicy
 from .advice import gpu_counts
 from .memory import STRATEGIES, Workload
-from .offload import disk_io_bytes, pcie_bytes
 from .peak import peak
+from .placement import disk_io_bytes, pcie_bytes
 
 #: A more complex configuration must beat a simpler one by more than this fraction.
 TIE = 0.01

@@ -14,7 +14,7 @@ ranking:
   fast link and only 1/K of the gradients crosses between groups, at the price of the
   stage's state over K instead of N (16P/K at stage 3); plain sharding over every rank
   is preferred unless the group is more than :data:`TIE` faster;
-- **offload only when nothing else fits** (``plan/offload.py``; the source documents'
+- **offload only when nothing else fits** (``plan/placement.py``; the source documents'
   "ZeRO-3 + offloading" for the largest models): if no configuration fits the device,
   the search runs again with the optimizer in host memory (stages 1-3), then with the
   weight shards there too (stage 3), and the ``offload`` reason says what it costs in

@@ -18,7 +18,7 @@ them.
   a node, replicate across nodes; FSDP2's HSDP, DeepSpeed's MiCS): stages 1–3 over
   groups of K data-parallel ranks that fill 1, 2, 4, … nodes, K a proper divisor of the
   ranks (stage 0 in groups holds what DDP holds and sends more: it is not tried);
-- **offload** (``plan/offload.py``) only where the configuration asks for it: the
+- **offload** (``plan/placement.py``) only where the configuration asks for it: the
   stages that take it, with it; on disk (the policy's placement) only where asked too:
   the same device peaks, the streamed step's time.
 
@@ -75,7 +75,7 @@ class Candidate:
     dp: int = 0
     """Data-parallel ranks (GPUs / tp)."""
     offload: str | None = None
-    """What lives in host memory (``plan/offload.py``), None: nothing."""
+    """What lives in host memory (``plan/placement.py``), None: nothing."""
     offload_dir: bool = False
     """The offloaded master and optimizer state live in files (disk offload)."""
     config: ZeroConfig | None = None

@@ -1,7 +1,7 @@
 """The step-time model's simulation (``steptime.py``): one compute stream and one serial
 link carrying the data-parallel collectives in issue order; the compute stream waits
-on the link only where the engine waits (``runtime/schedule/backward.py``,
-``runtime/model/sharded.py``).
+on the link only where the engine waits (``runtime/schedule.py``,
+``runtime/model.py``).
 """
 
 from __future__ import annotations

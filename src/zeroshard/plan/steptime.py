@@ -15,8 +15,8 @@ Patarasuk and Yuan, 2009): over n ranks a reduce-scatter or all-gather of T byte
 ``(n-1)·α + (n-1)/n·T/β``, an all-reduce twice that, on the slowest network level the
 ring spans (:meth:`Cluster.link`).
 
-**Overlap, as zeroshard's engine schedules it** (``runtime/schedule/backward.py``,
-``runtime/model/sharded.py``): one serial link carries the data-parallel collectives in issue
+**Overlap, as zeroshard's engine schedules it** (``runtime/schedule.py``,
+``runtime/model.py``): one serial link carries the data-parallel collectives in issue
 order; the compute stream waits on them only where the engine waits:
 
 - every stage reduces each unit's gradients once its backward is done, in reverse
@@ -53,10 +53,10 @@ K·tp is a node or less); each reduction, once waited, is followed by the all-re
 the reduced slot (stage 0: the whole buffer) over the R = dp / K replicas, on the link
 of R GPUs K·tp apart (the inter-node link when the group fills a node). The engine
 issues that all-reduce when it waits for the reduction, and waits for it at once
-(``runtime/comm/collectives.py``, ``_across``): it is on the compute stream, never hidden,
+(``runtime/collectives.py``, ``_across``): it is on the compute stream, never hidden,
 and the two levels are separate channels.
 
-**Offload** (``ZeroConfig.offload``; ``plan/offload.py``): every landing copies the reduced
+**Offload** (``ZeroConfig.offload``; ``plan/placement.py``): every landing copies the reduced
 slot down to the host in the master dtype, and with ``params`` every gather first copies
 the rank's shard up, on the compute stream where the engine makes them (``Tensor.to``
 with ``non_blocking``: ordered on the stream, never hidden), at the host link's rate
@@ -91,7 +91,7 @@ from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
 from .hardware import Cluster, Link
 from .layout import check_layout, secondary
 from .memory import STRATEGIES
-from .offload import disk_seconds, host_step_bytes, master_bytes
+from .placement import disk_seconds, host_step_bytes, master_bytes
 from .simulate import _land, _Link, _pass, _sync, units_per_reduction
 from .tp import tp_layer_collectives, tp_params, tp_root_bytes
 from .workload import Workload
@@ -223,7 +223,7 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     cost = copy_bytes(config, dims, unit_params, gloo)  # memory rate, on compute
     # qwZ, qgZ: K slots of int8 and one fp32 scale per block (a unit's slot n = Q/K)
     quantized = dp * (unit_params / dp + 4 * -(-unit_params / dp // config.quant_block))
-    # offload: a unit's owned slot over the host link (plan/offload.py), per copy
+    # offload: a unit's owned slot over the host link (plan/placement.py), per copy
     pcie_bw = cluster.host_side.pcie.bandwidth
     down = unit_params / dp * master_bytes(recipe, True) / pcie_bw if off else 0.0
     shard_up = unit_params / dp * recipe.weight_bytes / pcie_bw if off else 0.0
@@ -253,7 +253,7 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     g_back = gather_back if policy.shards_params else None
     pf = config.prefetch
 
-    # Reducer._flush (runtime/schedule/backward.py): two reductions in flight at most,
+    # Reducer._flush (runtime/schedule.py): two reductions in flight at most,
     # except at stage 0 when it reduces in the gradients' own dtype
     bounded = policy.bounds_reductions(recipe.grad_bytes, recipe.reduce_bytes)
     line = _Link()

@@ -2,7 +2,7 @@
 GPUs and which it leaves whole on each, and the activation collectives it issues.
 
 The plans are those ``zeroshard train --tp`` applies with torch's own styles
-(``models/tp.py``): the built-in GPT's (``GPT.TP_PLAN``, the ``"gpt"`` family) and, for
+(``models/tpplan.py``): the built-in GPT's (``GPT.TP_PLAN``, the ``"gpt"`` family) and, for
 the other families, the one transformers ships (``model.tp_plan``: q, k, v and the MLP's
 input matrices column-parallel, the attention's and the MLP's output matrices
 row-parallel, the embedding vocabulary-parallel, the output head column-parallel with

@@ -19,7 +19,7 @@ gloo twin of the data-parallel group for fingerprints and agreements (``watch.py
 made from these groups, not new ones (``DeviceMesh.from_group``): a 1-D mesh named
 ``("shard",)`` over the shard group, or under hybrid sharding the 2-D
 ``("replicate", "shard")`` mesh of FSDP2's HSDP, rows the shard groups. A shard is then
-exactly a DTensor ``Shard(0)`` on the ``"shard"`` dim (``unit/dtensor.py``), which is
+exactly a DTensor ``Shard(0)`` on the ``"shard"`` dim (``unit.py``), which is
 what lets ``torch.distributed.checkpoint`` and FSDP2 read and reshard its state dicts.
 
 [Note: tensor-parallel mesh] Beside tensor parallelism (``zs.shard(..., mesh=)``) the
@@ -28,14 +28,17 @@ user's ``DeviceMesh`` is the layout: ``("dp", "tp")``, or ``("dp_replicate", "dp
 model's DTensors on its ``"tp"`` dim; the data-parallel group is the ranks of this
 rank's tp coordinate (the ``"dp"`` dim, or ``dp_replicate × dp_shard`` flattened, K
 = ``dp_shard``'s size), over which ZeRO shards each rank's local slice ([Note:
-tensor-parallel parameters] in ``unit/local.py``). The tp group is the mesh's own, for
-counting the tensor-parallel collectives DTensor issues (``comm/tpcount.py``) and for
+tensor-parallel parameters] in ``unit.py``). The tp group is the mesh's own, for
+counting the tensor-parallel collectives DTensor issues (``collectives.py``) and for
 what must hold across the tp ranks: the global norm, the non-finite verdict. The
 control group then spans every rank of the mesh, so the fingerprints and agreements
-(``comm/watch.py``) stop all tp ranks alike, and :attr:`Mesh.device_mesh` is the user's
+(``watch.py``) stop all tp ranks alike, and :attr:`Mesh.device_mesh` is the user's
 mesh, on which a parameter's rows are a DTensor with a placement per dim.
-"""
 
+The user's ``DeviceMesh`` read into the groups :class:`~zeroshard.runtime.mesh.Mesh`
+is built from ([Note: tensor-parallel mesh] in ``mesh.py``), checked once with one line
+per mistake.
+"""
 from __future__ import annotations
 
 import functools
@@ -47,8 +50,8 @@ import torch.distributed as dist
 
 from ..spec.dims import ParallelDims
 from .dist import default_device
-from .tpmesh import from_device_mesh
 
+# -- The process groups a sharded model uses, made once at ``zs.shard`` time and owne ---
 
 @dataclass(frozen=True)
 class Mesh:
@@ -232,3 +235,96 @@ def timeout_of(group):
 
 def _is_mesh(spec) -> bool:
     return type(spec).__name__ == "DeviceMesh"
+
+
+# -- The user's ``DeviceMesh`` read into the groups  ---
+
+#: The dims ``zs.shard(..., mesh=)`` takes, torchtitan's names (``ParallelDims`` in
+#: ``torchtitan/distributed/parallel_dims.py``): plain ZeRO beside tensor parallelism, and
+#: hybrid sharding beside it.
+MESH_DIMS = (("dp", "tp"), ("dp_replicate", "dp_shard", "tp"))
+
+
+def check_mesh(mesh) -> tuple[str, ...]:
+    """The mesh's dim names, once checked: one of :data:`MESH_DIMS`, over every rank."""
+    if type(mesh).__name__ != "DeviceMesh":
+        raise ValueError(f"mesh={type(mesh).__name__}; expected a torch DeviceMesh with dims "
+                         f"{' or '.join(map(str, MESH_DIMS))}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in MESH_DIMS:
+        raise ValueError(f"mesh: a DeviceMesh with dims {names}; expected dims "
+                         f"{' or '.join(map(str, MESH_DIMS))} (init_device_mesh(..., "
+                         "mesh_dim_names=...))")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"mesh: a DeviceMesh of {mesh.size()} ranks in a world of "
+                         f"{dist.get_world_size()}; expected one over every rank")
+    return names
+
+
+def from_device_mesh(mesh, group, shard_group) -> tuple[object, object, dict]:
+    """(data-parallel group, shard group spec for ``ZeroConfig.shard_group``, the tp
+    fields of :class:`Mesh`) of ``mesh``. The data-parallel group of the 3-D mesh, the
+    ranks of this rank's tp coordinate in (replicate, shard) order, is made on every rank
+    for every coordinate (torch names a group by creation order)."""
+    names = check_mesh(mesh)
+    if group is not None:
+        raise ValueError("zs.shard(): group= and mesh= both given; the mesh's data-parallel "
+                         "dims are the group: give one of them")
+    tp_group = mesh.get_group("tp")
+    tp_rank, tp_world = mesh.get_local_rank("tp"), mesh.size(names.index("tp"))
+    if names == ("dp", "tp"):
+        if shard_group is not None:
+            raise ValueError(f"shard_group={shard_group!r} with a ('dp', 'tp') mesh; for "
+                             "hybrid sharding beside tensor parallelism give a mesh with dims "
+                             "('dp_replicate', 'dp_shard', 'tp')")
+        dp_group = mesh.get_group("dp") if mesh.size(0) > 1 or tp_world > 1 else None
+        k = None
+    else:
+        k = mesh.size(1)
+        if shard_group not in (None, k, "node"):
+            raise ValueError(f"shard_group={shard_group!r} and a mesh whose dp_shard dim has "
+                             f"{k} ranks; give shard_group=None (the mesh's)")
+        dp_group = None
+        columns = mesh.mesh.reshape(-1, tp_world).t().tolist()  # one list per tp coordinate
+        for column in columns:
+            made = dist.new_group(column) if len(column) < dist.get_world_size() else None
+            if dist.get_rank() in column:
+                dp_group = made
+    if tp_world == 1 and dp_group is not None and dist.get_world_size(dp_group) == \
+            dist.get_world_size():
+        dp_group = None  # the world: the engine's usual groups
+    return dp_group, k, dict(tp_group=tp_group if tp_world > 1 else None, tp_rank=tp_rank,
+                             tp_world=tp_world)
+
+
+def check_tp_params(module, mesh) -> None:
+    """Every DTensor parameter must sit on ``mesh``'s ``"tp"`` dim, placed as torch's
+    tensor-parallel styles place them (``Shard`` or ``Replicate``), and split evenly:
+    ZeRO shards each rank's local slice, and the ranks of a tp group must hold slices of
+    one size for their collectives to pair up."""
+    from torch.distributed.tensor import DTensor
+
+    tp_mesh = None if mesh is None else mesh["tp"]
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        where = f"parameter {name!r} is a DTensor on a mesh of dims " \
+                f"{tuple(p.device_mesh.mesh_dim_names or ())} ({p.device_mesh.mesh.tolist()})"
+        if tp_mesh is None:
+            raise ValueError(f"{where}, and zs.shard() was given no mesh; pass mesh= the "
+                             "DeviceMesh whose 'tp' dim parallelize_module used")
+        if (p.device_mesh.mesh.tolist() != tp_mesh.mesh.tolist()
+                or tuple(p.device_mesh.mesh_dim_names or ()) != ("tp",)):
+            raise ValueError(f"{where}, not on the 'tp' dim of the mesh zs.shard() was given "
+                             f"({tp_mesh.mesh.tolist()}); parallelize with mesh['tp'] of that "
+                             "mesh")
+        placement = p.placements[0]
+        if type(placement).__name__ not in ("Shard", "Replicate"):
+            raise NotImplementedError(f"parameter {name!r} is placed {placement} on the tp "
+                                      "dim; zeroshard shards Shard(d) and Replicate() "
+                                      "tensor-parallel parameters (torch's parallel styles)")
+        tp = tp_mesh.size()
+        if placement.is_shard() and p.shape[placement.dim] % tp:
+            raise ValueError(f"tp={tp} does not divide dim {placement.dim} of parameter "
+                             f"{name!r} ({tuple(p.shape)}); expected a tp degree dividing "
+                             f"{p.shape[placement.dim]}")

@@ -11,7 +11,6 @@ that raises has its traceback reported; the other ranks, likely blocked in a col
 by then, are killed; and a group that does not finish within ``timeout`` seconds is
 killed and reported instead of hanging.
 """
-
 from __future__ import annotations
 
 import codecs
@@ -29,7 +28,7 @@ from datetime import timedelta
 #: Seconds to wait for other ranks' tracebacks once one rank has failed.
 _GRACE = 3.0
 #: What the fork server imports once, for every rank forked from it.
-#: (torch._dynamo: every sharded model's hooks are marked for it, ``model/hooks.py``; it
+#: (torch._dynamo: every sharded model's hooks are marked for it, ``hooks.py``; it
 #: starts no thread, and costs each rank half a second of a core when imported there.)
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard.runtime.spawn",
             "zeroshard.runtime.dist"]

@@ -52,7 +52,7 @@ class ZeroConfig:
     (one rounding into the stored dtype instead of one per rank), else the gradient
     dtype."""
     units: Any = "blocks"
-    """Unit policy (see ``zeroshard.runtime.build.units.select_units``): "blocks", None,
+    """Unit policy (see ``zeroshard.runtime.build.select_units``): "blocks", None,
     module classes, a list of modules, or a parameter count."""
     param_persistence_threshold: int = 0
     """Stage 3: parameters with fewer elements than this stay whole on every rank
@@ -94,7 +94,7 @@ class ZeroConfig:
     """Before each collective the ranks exchange a fingerprint of it — step, phase, kind,
     unit, size — on a small group of their own (``kind="check"`` in ``comm_stats()``),
     and stop, every rank alike, with one error naming what each rank was doing when they
-    differ (``runtime/comm/watch.py``). Ranks out of step (one more micro-batch on one rank,
+    differ (``runtime/watch.py``). Ranks out of step (one more micro-batch on one rank,
     a mixture of experts routing per rank at stage 3) would otherwise pair unlike
     collectives: wrong weights when the sizes agree, a wait until the timeout when not."""
     shard_group: Any = None
@@ -122,7 +122,7 @@ class ZeroConfig:
     quantize_grads: bool = False
     """Stages 1-3, qgZ (ZeRO++): the gradients' reduce-scatter inside the shard group is
     an all-to-all of int8 blocks with fp32 scales, dequantized and summed in fp32 in
-    rank order (``runtime/comm/quantize.py``); the all-reduce across replica groups stays
+    rank order (``runtime/quantize.py``); the all-reduce across replica groups stays
     exact. An approximation, like ``quantize_weights``."""
     quant_block: int = QUANT_BLOCK
     """Elements per quantization block (one fp32 scale each: 1 + 4 / block bytes per
@@ -144,7 +144,7 @@ class ZeroConfig:
     live in files in a scratch folder of their own under this existing, writable
     directory (one per rank and model, removed when the model goes or the process exits
     cleanly; never a checkpoint), and the optimizer step streams them through host
-    memory ``sub_group_size`` elements at a time (``zeroshard.offload.stream``). The
+    memory ``sub_group_size`` elements at a time (``zeroshard.runtime.offload``). The
     files are written in full at ``zs.shard`` time, so a disk too small is an error
     then. None: no disk."""
     sub_group_size: int = SUB_GROUP_SIZE

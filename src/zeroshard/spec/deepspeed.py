@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable, Iterable
 
 #: The DeepSpeed keys the engine honours -> the ZeroConfig field each sets (the trainer
-#: honours a few more: ``zeroshard.train.config``).
+#: honours a few more: ``zeroshard.train.settings``).
 DEEPSPEED_KEYS = {
     "zero_optimization.stage": "stage",
     "bf16.enabled": "mixed_precision",

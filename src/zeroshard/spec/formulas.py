@@ -17,7 +17,7 @@ SUB_GROUP_SIZE = 100_000_000
 #: torch DDP's gradient bucket (``bucket_cap_mb=25``): stage 0's default reduce bucket
 DDP_BUCKET_BYTES = 25 * 2**20
 #: On gloo the engine all-gathers by K in-place broadcasts up to this many ranks, the
-#: range measured faster than gloo's own all-gather (``runtime/comm/collectives.py``).
+#: range measured faster than gloo's own all-gather (``runtime/collectives.py``).
 GLOO_BROADCAST_MAX = 4
 
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .config import TrainConfig
+from .settings import TrainConfig
 
 #: The launcher names the file holding ``prepare_corpus``'s result here.
 ENV = "ZEROSHARD_TRAIN_CORPUS"

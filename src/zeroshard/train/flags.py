@@ -17,7 +17,7 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from .config import TrainConfig, engine_keys
+from .settings import TrainConfig, engine_keys
 
 #: Settings that are not ``TrainConfig`` fields but whose flag tells the same value.
 _ALIASES = {"precision": "mixed_precision"}

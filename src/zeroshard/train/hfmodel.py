@@ -11,8 +11,8 @@ import torch
 
 from .. import shard
 from ..plan.arch import Architecture
-from .adapters import adapter_init, with_adapters
-from .config import TrainConfig
+from .peftmodel import adapter_init, with_adapters
+from .settings import TrainConfig
 
 
 def gpt_architecture(c) -> Architecture:
@@ -143,10 +143,10 @@ class HFCausalLM:
         weights replace them next, so they are not read)."""
         from ..checkpoint.hflayout import load_hf_weights
         from ..models.hf import build_meta
-        from ..models.tp import hf_plan
+        from ..models.tpplan import hf_plan
 
         module, init = build_meta(self.cfg.hf_model), _zeros
-        if self.cfg.lora:  # peft's adapters, initialised as peft does (train/adapters.py)
+        if self.cfg.lora:  # peft's adapters, initialised as peft does (train/peftmodel.py)
             module = with_adapters(module, self.cfg, builtin=False)
             init = adapter_init(module, _zeros)
         plan = hf_plan(module) if self.cfg.tp > 1 else {}
@@ -210,10 +210,10 @@ class HFCausalLM:
 def _sharded(model, cfg: TrainConfig, plan: dict, label: str, sizes, **options):
     """``model`` sharded as ``cfg`` says; with ``cfg.tp`` > 1 first parallelized by
     ``plan`` with torch's styles over the ``"tp"`` dim of a ``(dp, tp)`` mesh, every size
-    it splits (``sizes()``) checked to divide by tp (``models/tp.py``)."""
+    it splits (``sizes()``) checked to divide by tp (``models/tpplan.py``)."""
     if cfg.tp == 1:
         return shard(model, config=cfg.zero, **options)
-    from ..models.tp import device_mesh, parallelize
+    from ..models.tpplan import device_mesh, parallelize
     from ..spec.dims import check_tp_degree
 
     check_tp_degree(cfg.tp, label, sizes())

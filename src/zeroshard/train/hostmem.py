@@ -13,7 +13,7 @@ not have fitted; one that passes may still be too large, and is then told as bef
 from __future__ import annotations
 
 from .._host import PROCESS_BYTES, available_bytes, gb
-from .config import TrainConfig, processes
+from .settings import TrainConfig, processes
 
 TOKEN = 8  # bytes of an int64 token id
 

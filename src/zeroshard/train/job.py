@@ -19,8 +19,8 @@ import traceback
 
 from ..runtime.dist import release_process_groups
 from . import datasource, early, failure, preflight
-from .config import TrainConfig
 from .hfmodel import model_source
+from .settings import TrainConfig
 
 #: The launcher hands the resolved settings to its ranks here (not as arguments, which
 #: torch.distributed.run would try to parse as its own).

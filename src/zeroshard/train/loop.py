@@ -13,19 +13,19 @@ import torch.distributed as dist
 
 from .._paths import folder
 from ..runtime.dist import default_device, init_distributed
-from ..runtime.step.scaler import GradScaler
-from ..runtime.unit.local import local
-from .adapters import compile_units, trainable_count
+from ..runtime.scaler import GradScaler
+from ..runtime.unit import local
 from .board import Board
-from .config import TrainConfig
 from .datasource import open_source
 from .hfmodel import model_source
+from .peftmodel import compile_units, trainable_count
 from .profile import profile_report
 from .report import Reporter, layout
 from .restart import restarted
 from .resume import checkpoint_to_resume, resume
 from .run import Run
 from .save import save, save_due
+from .settings import TrainConfig
 from .step import evaluate, evaluation, evaluation_due, train_step
 
 
@@ -95,7 +95,7 @@ def set_up(cfg: TrainConfig) -> Run:
     # would differ between two runs of one command (a resume restores the saved state)
     torch.manual_seed(cfg.seed)
     model = source.build(load_weights=not (checkpoint or cfg.init_from))
-    compile_units(model, cfg)  # --compile: each unit's forward (train/adapters.py)
+    compile_units(model, cfg)  # --compile: each unit's forward (train/peftmodel.py)
     if model.profiler is not None:
         model.profiler.enabled = False
     optimizer = _adamw(model, cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapters import peft_config, with_adapters
+from .peftmodel import peft_config, with_adapters
 
 
 def export(ckpt, out, dtype: str, max_shard_bytes: int, merge: bool) -> str | None:
@@ -24,7 +24,7 @@ def export(ckpt, out, dtype: str, max_shard_bytes: int, merge: bool) -> str | No
         export_merged,
     )
     from ..checkpoint.sharded import read_manifest, resolve
-    from .config import TrainConfig
+    from .settings import TrainConfig
 
     saved = read_manifest(resolve(ckpt))["extra"].get("config") or {}
     if not isinstance(saved, dict) or not saved.get("lora"):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from .._paths import claim, folder, output_file
 from . import hostmem
-from .adapters import check_compile
-from .config import TrainConfig
+from .peftmodel import check_compile
 from .resume import checkpoint_to_resume, weights_checkpoint
+from .settings import TrainConfig
 
 
 def _same_model(where: str, found: dict[str, tuple[int, ...]],

@@ -16,7 +16,7 @@ from ..plan.comm import comm_bytes, ring_one_way
 from ..plan.state import model_state_bytes
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
-from .config import processes
+from .settings import processes
 
 MB = 1e6
 

@@ -17,9 +17,9 @@ from ..checkpoint.consolidated import load_pretrained
 from ..checkpoint.load import load, load_weights
 from ..checkpoint.sharded import LATEST, MANIFEST, read_manifest, resolve
 from . import restart
-from .config import TrainConfig
 from .run import Run
 from .save import saved_config
+from .settings import TrainConfig
 
 #: The settings that make a checkpoint another run's for "auto": the model, the data,
 #: and what picks each step's rows of it (the seed and the global batch). The rest (N,

@@ -15,12 +15,12 @@ import torch
 
 from ..corpus.store import PackedCorpus
 from ..data import Corpus
-from ..runtime.model.sharded import ShardedModel
-from ..runtime.step.scaler import GradScaler
+from ..runtime.model import ShardedModel
+from ..runtime.scaler import GradScaler
 from .board import Board
-from .config import TrainConfig
 from .hfmodel import BuiltinGPT, HFCausalLM
 from .report import Reporter
+from .settings import TrainConfig
 
 
 @dataclass

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from ..checkpoint import savedir
 from ..checkpoint.sharded import SaveFailed, read_manifest, resolve
 from ..checkpoint.sharded import save as save_checkpoint
-from .config import TrainConfig
 from .run import Run
+from .settings import TrainConfig
 
 
 def save_due(cfg: TrainConfig, step: int) -> bool:

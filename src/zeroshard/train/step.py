@@ -8,8 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
 from .run import Run
+from .settings import TrainConfig
 
 
 def global_mean(value: torch.Tensor, world: int) -> float:

@@ -21,8 +21,8 @@ import torch
 from ..sanity import ours_partial
 from ..sharded import FORMAT, move_in, own_rows
 from ..tensorfile import write_tensors
-from .layout import Checkpoint, read
 from .pieces import gather, scalar
+from .structure import Checkpoint, read
 
 #: the recipe a DeepSpeed run of each compute dtype with Adam state corresponds to
 _RECIPES = {torch.float32: "fp32-adamw", torch.bfloat16: "bf16-mixed-adamw",

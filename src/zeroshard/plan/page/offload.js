@@ -1,4 +1,4 @@
-// advice.offload_offer (plan/offload.py): when no strategy fits the device, the first
+// advice.offload_offer (plan/placement.py): when no strategy fits the device, the first
 // that fits with the optimizer in host memory (stages 1, 2, 3), then with the weight
 // shards there too (stage 3), its device and host bytes, and what a step of one
 // micro-batch pays for it: the PCIe copies (the owned gradients down in the master

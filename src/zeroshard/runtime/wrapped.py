@@ -1,8 +1,30 @@
-"""peft's calls on a sharded model: what works, what is refused, and why.
+"""The module the user holds, used as a plain module: loading through it, and saving it
+with Hugging Face's ``save_pretrained`` ([Note: module view] in ``unit.py`` for
+what it shows between forwards).
+
+Loading. torch's ``Module.load_state_dict`` copies each value into the tensor the
+module registers: at stages 0-2 the full compute weights, which the next step
+overwrites from the master where there is one (mixed precision); at stage 3 a DTensor of
+this rank's compute rows, whose copy from a plain tensor torch refuses. Neither reaches
+the master. So every module of the
+tree gets a load pre-hook that writes its own parameters' values where the model holds
+them (the master rows: a DTensor, the full tensor or this rank's rows, as
+``model.load_state_dict`` takes them) and hands torch's copy the registered tensor
+itself, a copy onto itself; the post-hook of the module the load began at then brings
+the compute weights of the units it wrote up to date, once (an all-gather per unit at
+stages 1-2: every rank loads, as with DDP). A value of another shape is left to torch,
+which reports the size mismatch as it always does.
+
+Saving. safetensors cannot write a DTensor: ``save_pretrained`` on a module holding
+released parameters would fail deep inside ("Attempted to access the data pointer on an
+invalid python storage"), after writing its config. Such a module's ``save_pretrained``
+refuses up front instead, naming how to write the full weights.
+
+peft's calls on a sharded model: what works, what is refused, and why.
 
 A LoRA model (``peft.get_peft_model``) is sharded like any other: its frozen base and
 its adapters sit in the same units, the base sharded at stage 3 and the adapters
-trained (``unit/progress.py``). peft's own methods then meet a module whose weights are
+trained (``unit.py``). peft's own methods then meet a module whose weights are
 this rank's rows (stage 3), or the compute copies of a master kept elsewhere (mixed
 precision), so each call that reads or changes weights is answered here, on the
 instance (as the guard answers ``save_pretrained``, ``guard.py``):
@@ -22,7 +44,6 @@ instance (as the guard answers ``save_pretrained``, ``guard.py``):
   a parameter the engine holds frozen. ``merge_adapter``/``unmerge_adapter`` at stage 3
   are refused (they write the base weights in place, which are rows there).
 """
-
 from __future__ import annotations
 
 import copy
@@ -36,6 +57,85 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .dtensor import owners
+from .unit import held, local_rows
+
+# -- The module the user holds, used as a plain module ---
+
+class ModuleGuard:
+    """Load hooks on every module of one sharded model, and ``save_pretrained`` guards."""
+
+    def __init__(self, model) -> None:
+        self.owner = weakref.ref(model)  # the module's hooks must not keep the engine alive
+        self.loading = None  # the module a load_state_dict began at
+        self.written: set[int] = set()  # indices of units written since
+        self.by_id: dict[int, tuple] = {}
+        handles, released = [], any(u.view.sharded for u in model.units)
+        for m in model.module.modules():
+            handles.append(m.register_load_state_dict_pre_hook(self._before_load))
+            handles.append(m.register_load_state_dict_post_hook(self._after_load))
+            if released and callable(getattr(m, "save_pretrained", None)):
+                m.save_pretrained = types.MethodType(_save_pretrained, m)
+        self.handles = handles  # a copy of the module drops them (adapters.py)
+        weakref.finalize(model, _remove, handles)
+
+    def _before_load(self, module, state_dict, prefix, *args) -> None:
+        model = self.owner()
+        if model is None:
+            return
+        if self.loading is None:
+            self.loading, self.by_id = module, owners(model)
+        try:
+            for name, p in module._parameters.items():
+                key = prefix + name
+                if p is None or key not in state_dict or id(p) not in self.by_id:
+                    continue
+                u, i = self.by_id[id(p)]
+                try:
+                    rows = local_rows(u, i, state_dict[key], f"load_state_dict: {key!r}")
+                except ValueError:
+                    continue  # torch's own check reports the size mismatch
+                with torch.no_grad():
+                    held(u, i)[0].copy_(rows)
+                state_dict[key] = p  # torch's copy_ is then of p onto itself
+                self.written.add(u.index)
+        except BaseException:
+            self.loading, self.written = None, set()
+            raise
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        if self.loading is not module:
+            return
+        written, self.loading, self.written, self.by_id = self.written, None, set(), {}
+        model = self.owner()
+        if model is None:
+            return
+        for u in model.units:
+            if u.index in written:
+                u.refresh_compute()
+        model.synchronize()
+
+
+def _save_pretrained(module, *args, **kwargs):
+    """``save_pretrained`` of a module whose released parameters are DTensors."""
+    given = kwargs.get("state_dict", args[2] if len(args) > 2 else None)
+    released = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if given is None and released:
+        raise ValueError(
+            f"{type(module).__name__}.save_pretrained(): at ZeRO stage 3 this module holds "
+            f"each rank's rows of {len(released)} parameters (DTensors, e.g. "
+            f"{released[0]!r}), and safetensors writes only whole tensors. Write the full "
+            "weights: on every rank full = model.full_state_dict() (a collective; keys of "
+            "model.module), then module.save_pretrained(path, state_dict=full, "
+            "is_main_process=rank == 0) — or zs.save() and `zeroshard export`")
+    return type(module).save_pretrained(module, *args, **kwargs)
+
+
+def _remove(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
+# -- peft's calls on a sharded model ---
 
 #: Module hook dictionaries a copy of the module must not keep the engine's hooks in.
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_load_state_dict_pre_hooks",
@@ -65,7 +165,7 @@ def install(model) -> None:
     for m in model.module.modules():
         calls = {}
         if isinstance(m, peft.PeftModel):
-            calls["save_pretrained"] = _save_pretrained
+            calls["save_pretrained"] = _peft_save_pretrained
         if isinstance(m, (peft.PeftModel, BaseTuner)):
             calls["set_adapter"] = _set_adapter
             calls["merge_and_unload"] = functools.partial(_on_a_copy, "merge_and_unload")
@@ -91,7 +191,7 @@ def _prefix(model, module) -> str:
     return name + "." if name else ""
 
 
-def _save_pretrained(owner, module, save_directory, *args, **kwargs):
+def _peft_save_pretrained(owner, module, save_directory, *args, **kwargs):
     """peft's ``save_pretrained``, with the adapter's full values gathered first."""
     if "state_dict" not in kwargs:
         model = _engine(owner)
@@ -159,9 +259,7 @@ def _dynamo_wrapped(fn) -> bool:
 
 
 def _ours(fn) -> bool:
-    from .guard import _save_pretrained as guarded
-
-    return fn is guarded or (isinstance(fn, functools.partial) and fn.func in _CALLS)
+    return fn is _save_pretrained or (isinstance(fn, functools.partial) and fn.func in _CALLS)
 
 
 def _set_adapter(owner, module, adapter_name, *args, **kwargs):
@@ -199,4 +297,4 @@ def _refused_at_stage3(name: str, owner, module, *args, **kwargs):
 
 
 #: This file's answers, as installed (a copy of the module drops them).
-_CALLS = (_save_pretrained, _set_adapter, _on_a_copy, _refused, _refused_at_stage3)
+_CALLS = (_peft_save_pretrained, _set_adapter, _on_a_copy, _refused, _refused_at_stage3)

@@ -17,11 +17,11 @@ master in the recipe), S the optimizer states' bytes per element:
 
 ``buffers`` are stage 1's reduced slot ``g·n``, always on the device, and the fp32 copy
 of the owned gradients ``m·n`` for the step: on the device when g ≠ m without offload,
-on the host always when offloaded (``runtime/unit/view.py``: ``memory`` and
+on the host always when offloaded (``runtime/unit.py``: ``memory`` and
 ``host_bytes``; the engine's ``grad_shard``, ``step_grads`` and ``host_grads``). A
 node's host memory must hold its GPUs' host bytes: ``host × gpus_per_node``.
 
-**PCIe per step** (per GPU, one direction each; ``runtime/unit/unit.py``): every synchronised
+**PCIe per step** (per GPU, one direction each; ``runtime/unit.py``): every synchronised
 backward copies each reduced slot to the host as it lands, in the master dtype (cast on
 the device first: CUDA converts before it copies across), ``A·m·n`` down for A
 micro-batches; after the host step the updated shard goes back cast to the compute dtype
@@ -36,7 +36,7 @@ differs: ``2·(m + S) + m + [w ≠ m]·w`` bytes, 28 in fp32 and 30 under bf16 A
 
 **Disk offload** (the policy places the optimizer on ``"disk"``: ``offload_dir`` a
 folder, or ``PLANNED_DISK`` for a plan, as ``--offload-dir`` gives it;
-``offload/stream.py``): the master and the states move from the host to files,
+``runtime/offload.py``): the master and the states move from the host to files,
 ``(m + S)·n`` per GPU on disk; the host keeps the fp32 gradient copy and the step's
 sub-group buffers, two of ``(m + S)·G`` bytes for sub-groups of G = ``sub_group_size``
 elements (fewer when the rank's n elements make fewer sub-groups, and ``min(G, n)``
@@ -44,7 +44,7 @@ each). Every step reads and writes the whole partition: ``(m + S)·n`` bytes eac
 per GPU, at the host preset's ``disk_bandwidth`` (``plan/hardware.py``). The device's
 bytes are host offload's.
 
-**The streamed step's seconds** (:func:`streamed_step`; ``offload/stream.py``): sub-group
+**The streamed step's seconds** (:func:`streamed_step`; ``runtime/offload.py``): sub-group
 k is stepped while the one I/O thread writes k - 1 back and then reads k + 1 into the
 same buffer, in order, as the drive serves them anyway. With sub-groups of g_1 … g_K
 elements (G each, the last the rest), a host step of h seconds an element and

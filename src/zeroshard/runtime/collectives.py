@@ -1,4 +1,32 @@
-"""Every collective the engine issues goes through :class:`Collectives`, which records
+"""The reduce-scatter and all-gather the engine runs on CPU tensors over gloo
+(``Collectives`` chooses them; each builder issues its collective asynchronously and
+returns one waitable).
+
+[Note: gloo] torch's gloo reduce-scatter and all-gather stage their data through extra
+full-size copies; the engine's use gloo's in-place collectives and point-to-point sends:
+
+- gloo's reduce-scatter runs an all-reduce on a copy of its input. An all-reduce of the
+  input in place, then this rank's slot copied out, sums every element in the same
+  order (the same bits) without the copy; ``bench/gloo_collectives.py`` on 2 CPU cores,
+  2-4 ranks, a 7 MB buffer: 0.70-0.85x the time, and no copy of the input in flight
+  (:func:`all_reduce_slot`).
+- Between two ranks it is an exchange instead (:func:`exchange_slots`): each rank sends
+  the other the slot it does not keep and receives its own into the output, then adds
+  its own part — half the bytes of the all-reduce (which also sends the summed slots
+  back), and the same bits, as a + b = b + a in floating point. 43 MB at 2 ranks:
+  0.46-0.49x the all-reduce's time and CPU. From three ranks a ring of sends would add
+  in another order than the all-reduce torch DDP makes (stages 1-3 would no longer match
+  it, nor stage 0, bit for bit), so it stays the all-reduce there.
+- gloo's all-gather gathers into a fresh flat buffer the size of the output and copies
+  it out when done. N broadcasts in place, rank k's from rank k into slot k of the
+  output (:func:`broadcast_slots`), move the same bytes per rank and need no buffer:
+  0.66-0.80x the time, and one output-sized buffer less in flight (at stage 3 a
+  prefetched unit held twice its size). Up to ``GLOO_BROADCAST_MAX`` ranks only, the
+  range measured: each broadcast is a binomial tree of ⌈log2 N⌉ hops, and past a few
+  ranks N of them, two at a time on gloo's worker threads, are not known to beat its
+  all-gather.
+
+Every collective the engine issues goes through :class:`Collectives`, which records
 it in the ledger. Gradients and parameters travel on separate process groups so that
 a rank whose reductions start late (an unused parameter) cannot pair its reduce with
 another rank's gather: each group sees its collectives in the same order on every rank.
@@ -8,26 +36,99 @@ On CPU tensors over gloo, reduce-scatter and all-gather run as ``gloo.py`` build
 
 The ledger records the collective the algorithm performs (ZeRO's accounting), so
 measured and planned bytes stay the same quantity whatever the backend runs.
-"""
 
+Tensor parallelism's own collectives, counted for the ledger's ``"tp"`` level.
+
+[Note: counting tensor-parallel collectives] The all-reduces, all-gathers and
+reduce-scatters of tensor parallelism are issued by DTensor inside the model's forward
+and backward (a ``RowwiseParallel`` output made ``Replicate()``, the ``Partial()`` input
+gradient of a ``ColwiseParallel`` layer, ``SequenceParallel``'s gathers), as
+``_c10d_functional`` ops, never through the engine's :class:`Collectives`. They are
+counted where torch counts them itself (``CommDebugMode`` in
+``torch/distributed/tensor/debug/_comm_mode.py``): a dispatch mode that sees every op
+and records the ``_c10d_functional`` collectives, bytes in ring accounting over their
+group. The mode is on from the model's forward (``hooks.py``) to the optimizer step,
+so the backward, which runs under the thread state of the ``.backward()`` call, is
+seen too; a forward without gradients ends it at once. Only while a tp axis exists:
+without one the model runs with no mode at all.
+"""
 from __future__ import annotations
 
 import time
 
 import torch
 import torch.distributed as dist
-
-from ...spec.formulas import GLOO_BROADCAST_MAX
-from ..ledger import Ledger
-from ..mesh import Mesh
-from . import gloo, watch
-from .gloo import Then
-from .quantize import (
-    QUANT_BLOCK,
-    quantized_all_gather,
-    quantized_nbytes,
-    quantized_reduce_scatter,
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode,
+    _push_mode,
 )
+
+from ..spec.formulas import GLOO_BROADCAST_MAX
+from . import watch
+from .ledger import Ledger
+from .mesh import Mesh
+from .quantize import QUANT_BLOCK, quantized_all_gather, quantized_nbytes, quantized_reduce_scatter
+
+# -- The reduce-scatter and all-gather the engine runs on CPU tensors over gloo ---
+
+class Then:
+    """Work handles waited as one, then ``then()`` once: ``wait()`` may be called again
+    (the units of a reduce bucket share one handle) and does nothing more."""
+
+    def __init__(self, *works, then=None):
+        self.works, self.then, self.done = works, then, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            self.then()
+        self.done = True
+
+
+def exchange_slots(out: torch.Tensor, inp: torch.Tensor, group, rank: int, seq: int,
+                   divisor: int | None) -> Then:
+    """Two ranks' reduce-scatter: ``inp`` [2·S] holds this rank's part of both slots;
+    ``out`` [S] receives the sum of slot ``rank`` (divided by ``divisor``, if any).
+    ``seq``, the collective's number, alike on both ranks, tags the two messages."""
+    peer, dst, slots = 1 - rank, out.view(-1), inp.view(2, -1)
+    tag = seq % 2**31
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, slots[peer], group=group, group_peer=peer, tag=tag),
+        dist.P2POp(dist.irecv, dst, group=group, group_peer=peer, tag=tag)])
+
+    def then():
+        dst.add_(slots[rank])  # the peer's part + this rank's: the sum's bits
+        if divisor:
+            dst.div_(divisor)
+    return Then(*works, then=then)
+
+
+def all_reduce_slot(out: torch.Tensor, inp: torch.Tensor, group, k: int, rank: int,
+                    divisor: int | None) -> Then:
+    """K ranks' reduce-scatter: ``inp`` [K·S] is summed in place (every slot holds the
+    group's sums afterwards) and slot ``rank`` lands in ``out``, divided as it is copied."""
+    work = dist.all_reduce(inp, group=group, async_op=True)
+    slot, dst = inp.view(k, -1)[rank], out.view(-1)
+    return Then(work, then=(lambda: torch.div(slot, divisor, out=dst)) if divisor
+                else (lambda: dst.copy_(slot)))
+
+
+def broadcast_slots(out: torch.Tensor, inp: torch.Tensor, group, k: int, rank: int) -> Then:
+    """K ranks' all-gather: ``out`` [K, ·] receives rank j's ``inp`` in slot j by K
+    broadcasts in place (``inp`` may already be this rank's slot of ``out``)."""
+    slots = out.view(k, -1)
+    if slots[rank].data_ptr() != inp.data_ptr():
+        slots[rank].copy_(inp.view(-1))
+    return Then(*[dist.broadcast(slots[j], group_src=j, group=group, async_op=True)
+                  for j in range(k)])
+
+
+# -- Every collective the engine issues goes through  ---
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -121,11 +222,11 @@ class Collectives:
             inside = self._issue("reduce_scatter", inp, unit, call, True,
                                  nbytes=k * quantized_nbytes(out.numel(), self.quant_block))
         elif self._on_gloo(inp) and k == 2:  # [Note: gloo]: an exchange of slots
-            inside = self._issue("reduce_scatter", inp, unit, lambda: gloo.exchange_slots(
+            inside = self._issue("reduce_scatter", inp, unit, lambda: exchange_slots(
                 out, inp, self.mesh.reduce_group, self.mesh.shard_rank, self.seq, divisor),
                 True)
         elif self._on_gloo(inp):  # [Note: gloo]: an all-reduce in place
-            inside = self._issue("reduce_scatter", inp, unit, lambda: gloo.all_reduce_slot(
+            inside = self._issue("reduce_scatter", inp, unit, lambda: all_reduce_slot(
                 out, inp, self.mesh.reduce_group, k, self.mesh.shard_rank, divisor), True)
         else:
             def call():
@@ -164,7 +265,7 @@ class Collectives:
         rank = self.mesh.secondary_rank if secondary else self.mesh.shard_rank
         if self.mesh.gloo and out.device.type == "cpu" and 1 < k <= GLOO_BROADCAST_MAX:
             def call():  # [Note: gloo]: N broadcasts in place
-                return gloo.broadcast_slots(out, inp, group, k, rank)
+                return broadcast_slots(out, inp, group, k, rank)
         else:
             def call():
                 return _all_gather(out.view(-1), inp.view(-1), group=group, async_op=True)
@@ -275,3 +376,64 @@ class _Ticket:
             self.rec["done"] = time.perf_counter()
             self.rec["waited"] = self.rec.get("waited", 0.0) + self.rec["done"] - start
         self.done = True
+
+
+# -- Tensor parallelism's own collectives, counted for the ledger's ``"tp"`` level ---
+
+#: ``_c10d_functional`` op -> (ledger kind, whether its output holds the bytes that count:
+#: an all-gather's T is its output, a reduce-scatter's and an all-reduce's their input).
+KINDS = {"all_reduce": ("all_reduce", False), "all_reduce_": ("all_reduce", False),
+         "all_gather_into_tensor": ("all_gather", True),
+         "reduce_scatter_tensor": ("reduce_scatter", False),
+         "broadcast": ("broadcast", False), "broadcast_": ("broadcast", False)}
+
+
+def _watched() -> dict:
+    """The ``_c10d_functional`` op overloads of :data:`KINDS` -> (kind, output counts)."""
+    import torch
+
+    ops = torch.ops._c10d_functional
+    return {getattr(ops, name).default: kind for name, kind in KINDS.items()
+            if hasattr(ops, name)}
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, comm) -> None:
+        super().__init__()
+        self.comm = comm
+        self.watched = _watched()  # one dict lookup per op: the mode sees every op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        kind = self.watched.get(func)
+        if kind is not None:
+            t = out if kind[1] else args[0]
+            name = kwargs.get("group_name", args[-1]) if kwargs else args[-1]
+            group = dist.distributed_c10d._resolve_process_group(name)
+            self.comm.record_tp(kind[0], t.numel() * t.element_size(), group.size())
+        return out
+
+
+class TPCounter:
+    """The dispatch mode of one sharded model, on from a forward to the step (see the
+    note); a listener of the model's events for the step."""
+
+    def __init__(self, comm) -> None:
+        self.mode = _Mode(comm)
+        self.on = False
+
+    def start(self) -> None:
+        if not self.on:
+            _push_mode(self.mode)
+            self.on = True
+
+    def stop(self) -> None:
+        """Off, where it is the innermost mode (a mode the user entered since stays
+        theirs; the next forward finds this one still on)."""
+        if self.on and _get_current_dispatch_mode() is self.mode:
+            _pop_mode()
+            self.on = False
+
+    def event(self, kind: str, unit=None, **info) -> None:
+        if kind == "step_begin":
+            self.stop()

@@ -22,7 +22,6 @@ collective per call, n + 4⌈n/B⌉ bytes per slot (1 + 4/B bytes per element, n
 ``all_gather_single`` on int8 CPU tensors, as NCCL does on CUDA, so qgZ is a real
 all-to-all on both; checked by ``tests/test_quantize.py``.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,8 +29,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ...spec.formulas import QUANT_BLOCK, quantized_nbytes
-from ..ledger import ring_bytes
+from ..spec.formulas import QUANT_BLOCK, quantized_nbytes
+from .ledger import ring_bytes
 
 # QUANT_BLOCK (spec/formulas.py): DeepSpeed's qwZ picks groups of about 4-8k elements
 # (``CUDAQuantizer.target_group_size = 8000``, "optimal 4k", hard limit 16k); 2048, a

@@ -3,7 +3,7 @@ on its frozen weights, and ``--compile``.
 
 peft (``get_peft_model``) wraps the model before ``zs.shard``, so the adapters sit in
 the units with the weights they adapt ([Note: partly frozen units] in
-``runtime/unit/progress.py``). A Hugging Face model is built on the meta device and its
+``runtime/unit.py``). A Hugging Face model is built on the meta device and its
 weights read from the folder after sharding: peft's adapters are made on the meta
 device too (``_move_adapter_to_device_of_base_layer``), so they are initialised as
 peft initialises them (``LoraLayer.reset_lora_parameters`` with

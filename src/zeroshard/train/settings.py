@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from .._jsonfile import read_json_object
-from ..runtime.step.scaler import GradScaler
+from ..runtime.scaler import GradScaler
 from ..spec.config import ZeroConfig, is_deepspeed
 from ..spec.deepspeed import SCALER_KEYS, fields_set
-from .adapters import check_adapters
 from .checks import check_values
+from .peftmodel import check_adapters
 
 
 def processes(n: int) -> str:
@@ -121,7 +121,7 @@ class TrainConfig:
     engine creates has it too) before it fails, naming the collective. 300 s: far above
     any one collective of these models on one machine, so only a dead or frozen rank
     reaches it, and a run that cannot go on ends in minutes rather than torch's 30."""
-    # -- fine-tuning with adapters, and compilation (train/adapters.py) --------------------
+    # -- fine-tuning with adapters, and compilation (train/peftmodel.py) --------------------
     lora: int | None = None
     """Fine-tune LoRA adapters of this rank on the frozen model (peft); None: train every
     weight."""

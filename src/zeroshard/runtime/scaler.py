@@ -25,7 +25,6 @@ shrink, so once spent every further overflow in a row halves the scale.
     scaler.step(optimizer)              # skipped on every rank after an overflow
     scaler.update()
 """
-
 from __future__ import annotations
 
 import math
@@ -33,9 +32,9 @@ import warnings
 
 import torch
 
-from ..._jsonfile import read_json_object
-from ...spec.deepspeed import DEEPSPEED_FP16
-from .nonfinite import first_bad_unit
+from .._jsonfile import read_json_object
+from ..spec.deepspeed import DEEPSPEED_FP16
+from .stepping import first_bad_unit
 
 
 class GradScaler:

@@ -5,7 +5,6 @@ has accumulated, and when backward begins and ends. Each hook asks the unit, the
 prefetcher, the reducer, the cycle or the stepper to act; it keeps no state of its own
 but whether ``gathered()`` holds the weights.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -15,9 +14,9 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ..build.construct import broadcast_buffers
-from ..step.cycle import CycleState
-from ..unit.unit import Unit
+from .build import broadcast_buffers
+from .stepping import CycleState
+from .unit import Unit
 
 
 def _recomputing() -> bool:
@@ -54,7 +53,7 @@ class PassHooks:
                     functools.partial(_grad_hook, owner, k)))
             if u.policy.shards_params and len(u.trainable) < len(u.params):
                 # frozen weights: released once its inputs' gradients are done too, or
-                # when backward ends if its module calls other units (unit/progress.py)
+                # when backward ends if its module calls other units (unit.py)
                 inside = set(u.module.modules())
                 if any(v.module is not u.module and v.module in inside for v in model.units):
                     u.progress.hold_to_the_end()
@@ -84,7 +83,7 @@ class PassHooks:
         m.stepper.settle()  # shards no optimizer stepped since the last backward
         m.comm.phase = "forward"
         if m.tp_counter is not None:  # on until the step ([Note: counting tensor-parallel
-            m.tp_counter.start()      # collectives] in comm/tpcount.py)
+            m.tp_counter.start()      # collectives] in collectives.py)
         for u in m.units:
             u.wait_sync()
         if torch.is_grad_enabled() and m.cycle.state is CycleState.FINAL:
@@ -122,7 +121,7 @@ class PassHooks:
     def _pre_forward_counted(self, owner, k: int, module, args, kwargs):
         """A unit with frozen parameters: gathered as any, and its inputs that need a
         gradient pass through :class:`_InputGrads`, which tells the unit when their
-        gradients are computed ([Note: partly frozen units] in ``unit/progress.py``)."""
+        gradients are computed ([Note: partly frozen units] in ``unit.py``)."""
         unit = self.model.units[k]
         self._pre_forward(unit)
         if not torch.is_grad_enabled() or _recomputing():
@@ -228,4 +227,3 @@ def _grad_hook(owner: weakref.ref, k: int, param: torch.Tensor) -> None:
     model = owner()
     if model is not None:
         model.reducer.on_grad(model.units[k])
-

@@ -1,14 +1,17 @@
-"""The sharded model: the ordinary training loop over ZeRO stage 0-3.
+"""What a sharded model gives out besides its state dict (``dtensor.py``): its full
+weights, and the bytes it holds and sends.
+
+The sharded model: the ordinary training loop over ZeRO stage 0-3.
 
 [Note: the step cycle] One optimizer step is a *cycle* of one or more backward passes
-(``step/cycle.py`` names its states):
+(``stepping.py`` names its states):
 
 1. forward: where parameters are sharded (stage 3) each unit is gathered before its
    forward and released after it, arming a hook on its outputs that gathers it again
-   for backward (FSDP's pre-backward hook); ``schedule/prefetch.py`` gathers ahead.
+   for backward (FSDP's pre-backward hook); ``schedule.py`` gathers ahead.
 2. backward: each unit's gradients are reduced as soon as it is done, in one order on
-   every rank (``schedule/backward.py``), packed into one buffer per unit
-   (``schedule/reduce.py``).
+   every rank (``schedule.py``), packed into one buffer per unit
+   (``schedule.py``).
 3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
    its gradient; the post-hook brings the compute weights up to date (a cast, or an
    all-gather awaited in the next forward).
@@ -17,7 +20,6 @@
 collectives, the units, the reducer, the prefetcher, the step cycle, the pass hooks of
 ``hooks.py``, the stepper); its public methods are ``nn.Module``'s and a few more.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -26,27 +28,81 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ...spec.config import ZeroConfig
-from ..build.construct import broadcast_state, build_units, check_same_model
-from ..build.materialize import Materializer, has_meta
-from ..build.units import select_units
-from ..comm.collectives import Collectives
-from ..comm.context import CommContext
-from ..comm.tpcount import TPCounter
-from ..dist import default_device
-from ..events import Events
-from ..ledger import Ledger
-from ..mesh import Mesh
-from ..schedule.backward import Reducer
-from ..schedule.prefetch import Prefetcher
-from ..step.cycle import StepCycle
-from ..step.optim import register_for_step_hooks
-from ..step.stepping import Stepper
-from ..tpmesh import check_mesh, check_tp_params
-from . import adapters, dtensor, readout
-from .guard import ModuleGuard
+from ..spec.config import ZeroConfig
+from .build import (
+    Materializer,
+    broadcast_buffers,
+    broadcast_state,
+    build_units,
+    check_same_model,
+    has_meta,
+    select_units,
+)
+from .collectives import Collectives, TPCounter
+from .dist import default_device
+from .dtensor import load_into, owners, state_dict_of
+from .events import Events
 from .hooks import PassHooks
+from .ledger import Ledger
+from .mesh import Mesh, check_mesh, check_tp_params
+from .schedule import CommContext, Prefetcher, Reducer
+from .stepping import StepCycle, Stepper, register_for_step_hooks
+from .unit import disk_bytes, full_tensors, host_bytes, measure, tp_dim
+from .wrapped import ModuleGuard, refuse_quantized
+from .wrapped import install as install_peft_calls
 
+# -- What a sharded model gives out besides its state dict (``dtensor.py``) ---
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Full, unsharded weights (the fp32 master where there is one) and buffers under
+    their original names. A collective: every rank must call it. With
+    ``broadcast_buffers`` the buffers are rank 0's (broadcast first, as the next
+    forward would), so every rank returns the same state."""
+    model.synchronize()
+    if model.zero_config.broadcast_buffers:
+        broadcast_buffers(model.module, model.comm)
+    values = {}
+    for u in model.units:
+        values.update(full_tensors(u))
+        for i, p in enumerate(u.params):  # tensor parallelism's slices, whole
+            d = tp_dim(p)
+            if d is not None and model.mesh.tp_world > 1:
+                values[u.names[i]] = model.comm.gather_tp(values[u.names[i]], d)
+    by_id = owners(model)  # full parameters, and the DTensors released units show
+    out = {}
+    for key, t in model.module.state_dict(keep_vars=True).items():
+        if id(t) in by_id:
+            u, i = by_id[id(t)]
+            out[key] = values[u.names[i]]
+        else:
+            out[key] = t.detach().clone()
+    return out
+
+
+def memory(model, optimizer=None, by_placement: bool = False) -> dict:
+    """Bytes on this rank per category: params, grads, optimizer (master + state of
+    ``optimizer``), padding, and the transient gathered and buffers. With
+    ``by_placement``, ``{"device": {...}, "host": {...}, "disk": {...}}``: what
+    offload keeps in host memory apart (``ZeroConfig.offload``), and what disk
+    offload keeps in files (``ZeroConfig.offload_dir``; the host then holds the
+    step's sub-group buffers)."""
+    total = measure(model.units, optimizer)
+    streamed = model.stepper.disk_step.buffer_bytes() if model.stepper.disk_step is not None else 0
+    total["buffers"] += streamed  # disk offload's sub-group buffers, on the host
+    if not by_placement:
+        return total
+    host, disk = dict.fromkeys(total, 0), dict.fromkeys(total, 0)
+    host["buffers"] += streamed
+    for u in model.units:
+        for c, b in host_bytes(u, optimizer).items():
+            host[c] += b
+        for c, b in disk_bytes(u).items():
+            disk[c] += b
+    return {"device": {c: total[c] - host[c] - disk[c] for c in total}, "host": host,
+            "disk": disk}
+
+
+# -- The sharded model ---
 
 class ShardedModel(nn.Module):
     """A model whose training state is sharded per :class:`ZeroConfig`.
@@ -65,7 +121,7 @@ class ShardedModel(nn.Module):
                 f"{type(module).__name__} is already sharded (a ShardedModel at stage "
                 f"{inner.policy.stage} is inside it): zs.shard() takes the original module "
                 "once; use the sharded model as it is, or shard a fresh module")
-        adapters.refuse_quantized(module)
+        refuse_quantized(module)
         self._original_ids = {id(p) for p in module.parameters()}
         self.module = module
         self.zero_config = config
@@ -109,14 +165,14 @@ class ShardedModel(nn.Module):
         self.stepper = Stepper(self.units, self.comm, self.reducer, self.cycle, self.policy,
                                config, self.events, self._named_shards)
         self.tp_counter = TPCounter(self.comm) if self.mesh.tp_world > 1 else None
-        """Counts tensor parallelism's collectives for the ledger (``comm/tpcount.py``)."""
+        """Counts tensor parallelism's collectives for the ledger (``collectives.py``)."""
         if self.tp_counter is not None:
             self.events.subscribe(self.tp_counter)
         self.profiler = None
         """The profiler, when ``zs.shard(..., profile=True)`` attached one."""
         self.hooks = PassHooks(self)
         self.guard = ModuleGuard(self)  # loading and saving through the module itself
-        adapters.install(self)  # peft's calls on the module: save_pretrained, merges, ...
+        install_peft_calls(self)  # peft's calls on the module: save_pretrained, merges, ...
         # an optimizer over the DTensors released units show is one over the module's own
         self._original_ids |= {id(p) for u in self.units for p in u.view.sharded or ()}
         register_for_step_hooks(self)
@@ -184,7 +240,7 @@ class ShardedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards (padding never counts); return
-        the norm (see :func:`zeroshard.runtime.step.clip.clip_grad_norm`). A non-finite
+        the norm (see :func:`zeroshard.runtime.stepping.clip_grad_norm`). A non-finite
         norm raises with ``error_if_nonfinite`` (as torch's), and otherwise leaves the
         decision to ``ZeroConfig.nonfinite`` at the step, with no further exchange."""
         return self.stepper.clip(max_norm, norm_type, error_if_nonfinite)
@@ -211,7 +267,7 @@ class ShardedModel(nn.Module):
 
     @property
     def loss_scaler(self):
-        """The :class:`~zeroshard.runtime.step.scaler.GradScaler` made for it, if any."""
+        """The :class:`~zeroshard.runtime.scaler.GradScaler` made for it, if any."""
         return self.stepper.loss_scaler
 
     # -- weights in and out ---------------------------------------------------------
@@ -233,9 +289,9 @@ class ShardedModel(nn.Module):
         """What this rank holds of every parameter (the master where there is one) as a
         DTensor of the full shape — ``Shard(0)`` where sharded, ``Replicate()`` where
         whole — and the persistent buffers, under the module's own names; no collective
-        ([Note: state dict] in ``model/dtensor.py``). ``full_state_dict()`` gathers full
+        ([Note: state dict] in ``dtensor.py``). ``full_state_dict()`` gathers full
         weights."""
-        return dtensor.state_dict_of(self, destination, prefix, keep_vars)
+        return state_dict_of(self, destination, prefix, keep_vars)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
         """Load DTensors, full tensors or this rank's rows, per key; master, shards and
@@ -244,7 +300,7 @@ class ShardedModel(nn.Module):
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) would replace the shards "
                                       "the optimizer holds; load with assign=False")
-        return dtensor.load_into(self, state_dict, strict)
+        return load_into(self, state_dict, strict)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         """The state dict's keys are the module's own: to torch's state-dict functions
@@ -258,7 +314,7 @@ class ShardedModel(nn.Module):
         their original names. A collective: every rank must call it. With
         ``broadcast_buffers`` the buffers are rank 0's (broadcast first, as the next
         forward would), so every rank returns the same state."""
-        return readout.full_state_dict(self)
+        return full_state_dict(self)
 
     @contextlib.contextmanager
     def gathered(self):
@@ -285,7 +341,7 @@ class ShardedModel(nn.Module):
         offload keeps in host memory apart (``ZeroConfig.offload``), and what disk
         offload keeps in files (``ZeroConfig.offload_dir``; the host then holds the
         step's sub-group buffers)."""
-        return readout.memory(self, optimizer, by_placement)
+        return memory(self, optimizer, by_placement)
 
     def comm_stats(self, reset: bool = False, by_level: bool = False) -> dict:
         """Per collective kind: calls and bytes this rank sent (ring accounting). With

@@ -18,7 +18,6 @@ out writes where it is into the rendezvous store and gives the others a few seco
 do the same; the ranks that never answer are the silent ones, and the error names them,
 what this rank was waiting for and how to raise the timeout.
 """
-
 from __future__ import annotations
 
 import json
