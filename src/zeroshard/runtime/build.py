@@ -1,23 +1,8 @@
-"""Unit policies: which modules become units.
-
-A unit is gathered and reduced as one buffer (one all-gather and one reduce-scatter per
-pass). Too fine and every tiny collective pays its start-up cost; too coarse and the
-gathered unit dominates peak memory. The default follows FSDP practice: one unit per
-repeated block (each transformer block), plus a root unit for everything else.
-
-Models built on the meta device: each unit is materialized, initialised and sharded in
-turn, so a rank never holds more than one full unit beside its shards.
-
-[Note: seeded initialisation] Every module is initialised under its own seed, derived
-from the run's seed and the module's qualified name, so the values do not depend on
-the order in which units are materialized: ``init_weights(model, seed)`` on an ordinary
-model gives exactly the weights that ``shard`` of the same model built on the meta
-device starts from. A parameter shared by two modules (tied embeddings) is written by
-both inits, in model order, in both paths.
-
-Building a sharded model: checking that ranks agree, broadcasting rank 0's state,
-and cutting the model into units (which unit owns which parameter).
+"""Making a sharded model: which modules become units, a model built on the meta
+device materialized unit by unit, the ranks agreeing on the model, rank 0's state
+broadcast, and the units made.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +20,14 @@ from .events import Events
 from .schedule import CommContext
 from .unit import Unit, local, tp_dim
 
-# -- Unit policies ---
+# ----------------------------------------------------------------------------------------
+# Unit policies: which modules become units.
+#
+# A unit is gathered and reduced as one buffer (one all-gather and one reduce-scatter per
+# pass). Too fine and every tiny collective pays its start-up cost; too coarse and the
+# gathered unit dominates peak memory. The default follows FSDP practice: one unit per
+# repeated block (each transformer block), plus a root unit for everything else.
+# ----------------------------------------------------------------------------------------
 
 def _has_params(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())
@@ -130,7 +122,17 @@ def select_units(model: nn.Module, units) -> list[nn.Module]:
         "class, a list of classes, a list of modules, or a parameter count")
 
 
-# -- Models built on the meta device ---
+# ----------------------------------------------------------------------------------------
+# Models built on the meta device: each unit is materialized, initialised and sharded in
+# turn, so a rank never holds more than one full unit beside its shards.
+#
+# [Note: seeded initialisation] Every module is initialised under its own seed, derived
+# from the run's seed and the module's qualified name, so the values do not depend on
+# the order in which units are materialized: ``init_weights(model, seed)`` on an ordinary
+# model gives exactly the weights that ``shard`` of the same model built on the meta
+# device starts from. A parameter shared by two modules (tied embeddings) is written by
+# both inits, in model order, in both paths.
+# ----------------------------------------------------------------------------------------
 
 ParamInit = Callable[[nn.Module], None]
 
@@ -221,7 +223,10 @@ class Materializer:
                 _seeded(self.seed, name, module, self.param_init)
 
 
-# -- Building a sharded model ---
+# ----------------------------------------------------------------------------------------
+# Building a sharded model: checking that ranks agree, broadcasting rank 0's state,
+# and cutting the model into units (which unit owns which parameter).
+# ----------------------------------------------------------------------------------------
 
 def check_same_model(module: nn.Module, config) -> None:
     """Every rank must shard the same parameters with the same options: name the first

@@ -1,57 +1,8 @@
-"""The reduce-scatter and all-gather the engine runs on CPU tensors over gloo
-(``Collectives`` chooses them; each builder issues its collective asynchronously and
-returns one waitable).
-
-[Note: gloo] torch's gloo reduce-scatter and all-gather stage their data through extra
-full-size copies; the engine's use gloo's in-place collectives and point-to-point sends:
-
-- gloo's reduce-scatter runs an all-reduce on a copy of its input. An all-reduce of the
-  input in place, then this rank's slot copied out, sums every element in the same
-  order (the same bits) without the copy; ``bench/gloo_collectives.py`` on 2 CPU cores,
-  2-4 ranks, a 7 MB buffer: 0.70-0.85x the time, and no copy of the input in flight
-  (:func:`all_reduce_slot`).
-- Between two ranks it is an exchange instead (:func:`exchange_slots`): each rank sends
-  the other the slot it does not keep and receives its own into the output, then adds
-  its own part — half the bytes of the all-reduce (which also sends the summed slots
-  back), and the same bits, as a + b = b + a in floating point. 43 MB at 2 ranks:
-  0.46-0.49x the all-reduce's time and CPU. From three ranks a ring of sends would add
-  in another order than the all-reduce torch DDP makes (stages 1-3 would no longer match
-  it, nor stage 0, bit for bit), so it stays the all-reduce there.
-- gloo's all-gather gathers into a fresh flat buffer the size of the output and copies
-  it out when done. N broadcasts in place, rank k's from rank k into slot k of the
-  output (:func:`broadcast_slots`), move the same bytes per rank and need no buffer:
-  0.66-0.80x the time, and one output-sized buffer less in flight (at stage 3 a
-  prefetched unit held twice its size). Up to ``GLOO_BROADCAST_MAX`` ranks only, the
-  range measured: each broadcast is a binomial tree of ⌈log2 N⌉ hops, and past a few
-  ranks N of them, two at a time on gloo's worker threads, are not known to beat its
-  all-gather.
-
-Every collective the engine issues goes through :class:`Collectives`, which records
-it in the ledger. Gradients and parameters travel on separate process groups so that
-a rank whose reductions start late (an unused parameter) cannot pair its reduce with
-another rank's gather: each group sees its collectives in the same order on every rank.
-
-On CPU tensors over gloo, reduce-scatter and all-gather run as ``gloo.py`` builds them
-([Note: gloo]): in place, and between two ranks as an exchange.
-
-The ledger records the collective the algorithm performs (ZeRO's accounting), so
-measured and planned bytes stay the same quantity whatever the backend runs.
-
-Tensor parallelism's own collectives, counted for the ledger's ``"tp"`` level.
-
-[Note: counting tensor-parallel collectives] The all-reduces, all-gathers and
-reduce-scatters of tensor parallelism are issued by DTensor inside the model's forward
-and backward (a ``RowwiseParallel`` output made ``Replicate()``, the ``Partial()`` input
-gradient of a ``ColwiseParallel`` layer, ``SequenceParallel``'s gathers), as
-``_c10d_functional`` ops, never through the engine's :class:`Collectives`. They are
-counted where torch counts them itself (``CommDebugMode`` in
-``torch/distributed/tensor/debug/_comm_mode.py``): a dispatch mode that sees every op
-and records the ``_c10d_functional`` collectives, bytes in ring accounting over their
-group. The mode is on from the model's forward (``hooks.py``) to the optimizer step,
-so the backward, which runs under the thread state of the ``.backward()`` call, is
-seen too; a forward without gradients ends it at once. Only while a tp axis exists:
-without one the model runs with no mode at all.
+"""Every collective the engine issues, recorded and fingerprinted in one place; the
+in-place reduce-scatter and all-gather it builds on gloo; tensor parallelism's own
+collectives counted for the ledger.
 """
+
 from __future__ import annotations
 
 import time
@@ -67,11 +18,40 @@ from torch.utils._python_dispatch import (
 
 from ..spec.formulas import GLOO_BROADCAST_MAX
 from . import watch
+from .cycle import StepCycle
 from .ledger import Ledger
 from .mesh import Mesh
 from .quantize import QUANT_BLOCK, quantized_all_gather, quantized_nbytes, quantized_reduce_scatter
 
-# -- The reduce-scatter and all-gather the engine runs on CPU tensors over gloo ---
+# ----------------------------------------------------------------------------------------
+# The reduce-scatter and all-gather the engine runs on CPU tensors over gloo
+# (``Collectives`` chooses them; each builder issues its collective asynchronously and
+# returns one waitable).
+#
+# [Note: gloo] torch's gloo reduce-scatter and all-gather stage their data through extra
+# full-size copies; the engine's use gloo's in-place collectives and point-to-point sends:
+#
+# - gloo's reduce-scatter runs an all-reduce on a copy of its input. An all-reduce of the
+#   input in place, then this rank's slot copied out, sums every element in the same
+#   order (the same bits) without the copy; ``bench/gloo_collectives.py`` on 2 CPU cores,
+#   2-4 ranks, a 7 MB buffer: 0.70-0.85x the time, and no copy of the input in flight
+#   (:func:`all_reduce_slot`).
+# - Between two ranks it is an exchange instead (:func:`exchange_slots`): each rank sends
+#   the other the slot it does not keep and receives its own into the output, then adds
+#   its own part — half the bytes of the all-reduce (which also sends the summed slots
+#   back), and the same bits, as a + b = b + a in floating point. 43 MB at 2 ranks:
+#   0.46-0.49x the all-reduce's time and CPU. From three ranks a ring of sends would add
+#   in another order than the all-reduce torch DDP makes (stages 1-3 would no longer match
+#   it, nor stage 0, bit for bit), so it stays the all-reduce there.
+# - gloo's all-gather gathers into a fresh flat buffer the size of the output and copies
+#   it out when done. N broadcasts in place, rank k's from rank k into slot k of the
+#   output (:func:`broadcast_slots`), move the same bytes per rank and need no buffer:
+#   0.66-0.80x the time, and one output-sized buffer less in flight (at stage 3 a
+#   prefetched unit held twice its size). Up to ``GLOO_BROADCAST_MAX`` ranks only, the
+#   range measured: each broadcast is a binomial tree of ⌈log2 N⌉ hops, and past a few
+#   ranks N of them, two at a time on gloo's worker threads, are not known to beat its
+#   all-gather.
+# ----------------------------------------------------------------------------------------
 
 class Then:
     """Work handles waited as one, then ``then()`` once: ``wait()`` may be called again
@@ -128,7 +108,18 @@ def broadcast_slots(out: torch.Tensor, inp: torch.Tensor, group, k: int, rank: i
                   for j in range(k)])
 
 
-# -- Every collective the engine issues goes through  ---
+# ----------------------------------------------------------------------------------------
+# Every collective the engine issues goes through :class:`Collectives`, which records
+# it in the ledger. Gradients and parameters travel on separate process groups so that
+# a rank whose reductions start late (an unused parameter) cannot pair its reduce with
+# another rank's gather: each group sees its collectives in the same order on every rank.
+#
+# On CPU tensors over gloo, reduce-scatter and all-gather run as ``gloo.py`` builds them
+# ([Note: gloo]): in place, and between two ranks as an exchange.
+#
+# The ledger records the collective the algorithm performs (ZeRO's accounting), so
+# measured and planned bytes stay the same quantity whatever the backend runs.
+# ----------------------------------------------------------------------------------------
 
 # torch 2.13 renamed these; the old names warn. Older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -144,15 +135,16 @@ class Collectives:
 
     def __init__(self, ledger: Ledger, mesh: Mesh, check: bool = True,
                  quantize_weights: bool = False, quantize_grads: bool = False,
-                 quant_block: int = QUANT_BLOCK):
+                 quant_block: int = QUANT_BLOCK, cycle: StepCycle | None = None):
         self.ledger = ledger
         self.mesh = mesh  # every group, rank and size (``mesh.py``)
         self.check = check  # fingerprint every collective ([Note: fingerprints])
         # ZeRO++'s qwZ and qgZ (``quantize.py``): int8 blocks with fp32 scales
         self.quant_weights, self.quant_grads, self.quant_block = (
             quantize_weights, quantize_grads, quant_block)
-        # Where this rank is, for the fingerprints: the engine moves them on.
-        self.seq, self.step, self.phase = 0, 0, "setting up"
+        self.seq = 0  # collectives issued: the fingerprints' first field
+        # where the model is (its phase and step), read for the fingerprints
+        self.cycle = cycle if cycle is not None else StepCycle()
         self.unit_names: list[str] = []
         self.trace: list[dict] | None = None  # profiling: one record per call
 
@@ -378,7 +370,22 @@ class _Ticket:
         self.done = True
 
 
-# -- Tensor parallelism's own collectives, counted for the ledger's ``"tp"`` level ---
+# ----------------------------------------------------------------------------------------
+# Tensor parallelism's own collectives, counted for the ledger's ``"tp"`` level.
+#
+# [Note: counting tensor-parallel collectives] The all-reduces, all-gathers and
+# reduce-scatters of tensor parallelism are issued by DTensor inside the model's forward
+# and backward (a ``RowwiseParallel`` output made ``Replicate()``, the ``Partial()`` input
+# gradient of a ``ColwiseParallel`` layer, ``SequenceParallel``'s gathers), as
+# ``_c10d_functional`` ops, never through the engine's :class:`Collectives`. They are
+# counted where torch counts them itself (``CommDebugMode`` in
+# ``torch/distributed/tensor/debug/_comm_mode.py``): a dispatch mode that sees every op
+# and records the ``_c10d_functional`` collectives, bytes in ring accounting over their
+# group. The mode is on from the model's forward (``hooks.py``) to the optimizer step,
+# so the backward, which runs under the thread state of the ``.backward()`` call, is
+# seen too; a forward without gradients ends it at once. Only while a tp axis exists:
+# without one the model runs with no mode at all.
+# ----------------------------------------------------------------------------------------
 
 #: ``_c10d_functional`` op -> (ledger kind, whether its output holds the bytes that count:
 #: an all-gather's T is its output, a reduce-scatter's and an all-reduce's their input).

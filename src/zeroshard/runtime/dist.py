@@ -1,6 +1,7 @@
 """Process groups and devices: ``init_distributed``, ``release_process_groups`` and the
 dtype names of recipes.
 """
+
 from __future__ import annotations
 
 import gc

@@ -1,49 +1,7 @@
-"""A sharded model's state dict in torch's terms: DTensors.
-
-[Note: state dict] ``state_dict()`` returns, without a collective, under each of the
-module's own names (tied names each, as torch does), what this rank holds of that
-parameter as a DTensor of the full shape on the shard group's device mesh
-(``unit.py``, [Note: DTensor layout]): the fp32 master rows where there is a
-master, else the weights; ``Shard(0)`` where sharded, ``Replicate()`` where whole; and
-the module's persistent buffers as plain tensors (replicated, as DDP keeps them). The
-DTensors share memory with what the model holds, as FSDP2's do, so
-``torch.distributed.checkpoint`` loads in place; FSDP2 returns the same layout, which is
-why DCP can save one and load the other, reshard across world sizes and stages, and why
-``get_model_state_dict`` / ``set_model_state_dict`` work on a sharded model.
-
-``torch.save(model.state_dict())`` on every rank is a sharded checkpoint of the weights
-(each rank's file holds its rows). ``full_state_dict()`` gathers full weights;
-``zeroshard.save`` writes a resharding checkpoint with the optimizer state.
-
-``load_state_dict()`` takes, per parameter, a DTensor (any mesh and placements: its
-local tensor where laid out as ours, else gathered whole), the full tensor (an unsharded
-model's state dict) or this rank's rows, checks every shape before it writes anything,
-writes the master (or weights) and then brings the compute weights up to date from it —
-a collective at stages 1-2, like the step. The same values then load through the
-module itself (``guard.py``).
-
-The optimizer's state dict in torch's terms: the moments of a shard as DTensors.
-
-[Note: optimizer state dict] An elementwise optimizer keeps, per shard, state tensors of
-the shard's shape (Adam's ``exp_avg``, ``exp_avg_sq``): this rank's rows of the
-parameter's moments. Its own ``state_dict()`` returns them as plain tensors, which
-``torch.distributed.checkpoint`` takes for replicated: it would keep one rank's rows for
-every rank. So a sharded model registers on every optimizer that steps its shards a
-state-dict post-hook that returns each per-element state of its shards as a DTensor with
-the parameter's own layout (``unit.py``), sharing memory (DCP loads in place),
-and a load pre-hook that takes DTensors, full tensors or this rank's rows back to this
-rank's rows. Scalars (Adam's ``step``) are the same on every rank and stay as they are.
-This is what FSDP2's optimizer state is (its parameters are DTensors, so their state
-is), and what ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and
-torchtitan's checkpointer expect.
-
-The hooks are registered when the model first meets the optimizer: its first step
-(``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` step a fresh optimizer
-once to make its state, ``_init_optim_state`` in
-``torch/distributed/checkpoint/state_dict.py``), ``zs.save`` or ``zs.load``. Until then
-its state dict holds no state of the shards, or what a load put there, which the first
-step turns into rows.
+"""The sharded model's and its optimizer's state dicts in torch's terms: DTensors on
+the shard group's mesh, which ``torch.distributed.checkpoint`` and FSDP2 read.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -56,7 +14,31 @@ from torch.nn.modules.module import _IncompatibleKeys
 from ..spec.optimizers import whole_state
 from .unit import held, local_rows, to_dtensor
 
-# -- A sharded model's state dict in torch's terms ---
+# ----------------------------------------------------------------------------------------
+# A sharded model's state dict in torch's terms: DTensors.
+#
+# [Note: state dict] ``state_dict()`` returns, without a collective, under each of the
+# module's own names (tied names each, as torch does), what this rank holds of that
+# parameter as a DTensor of the full shape on the shard group's device mesh
+# (``unit.py``, [Note: DTensor layout]): the fp32 master rows where there is a
+# master, else the weights; ``Shard(0)`` where sharded, ``Replicate()`` where whole; and
+# the module's persistent buffers as plain tensors (replicated, as DDP keeps them). The
+# DTensors share memory with what the model holds, as FSDP2's do, so
+# ``torch.distributed.checkpoint`` loads in place; FSDP2 returns the same layout, which is
+# why DCP can save one and load the other, reshard across world sizes and stages, and why
+# ``get_model_state_dict`` / ``set_model_state_dict`` work on a sharded model.
+#
+# ``torch.save(model.state_dict())`` on every rank is a sharded checkpoint of the weights
+# (each rank's file holds its rows). ``full_state_dict()`` gathers full weights;
+# ``zeroshard.save`` writes a resharding checkpoint with the optimizer state.
+#
+# ``load_state_dict()`` takes, per parameter, a DTensor (any mesh and placements: its
+# local tensor where laid out as ours, else gathered whole), the full tensor (an unsharded
+# model's state dict) or this rank's rows, checks every shape before it writes anything,
+# writes the master (or weights) and then brings the compute weights up to date from it —
+# a collective at stages 1-2, like the step. The same values then load through the
+# module itself (``guard.py``).
+# ----------------------------------------------------------------------------------------
 
 def owners(model) -> dict[int, tuple]:
     """Id of every tensor the module may register for a parameter (the full parameter,
@@ -117,7 +99,29 @@ def load_into(model, values: dict, strict: bool = True) -> _IncompatibleKeys:
     return _IncompatibleKeys(missing, unexpected)
 
 
-# -- The optimizer's state dict in torch's terms ---
+# ----------------------------------------------------------------------------------------
+# The optimizer's state dict in torch's terms: the moments of a shard as DTensors.
+#
+# [Note: optimizer state dict] An elementwise optimizer keeps, per shard, state tensors of
+# the shard's shape (Adam's ``exp_avg``, ``exp_avg_sq``): this rank's rows of the
+# parameter's moments. Its own ``state_dict()`` returns them as plain tensors, which
+# ``torch.distributed.checkpoint`` takes for replicated: it would keep one rank's rows for
+# every rank. So a sharded model registers on every optimizer that steps its shards a
+# state-dict post-hook that returns each per-element state of its shards as a DTensor with
+# the parameter's own layout (``unit.py``), sharing memory (DCP loads in place),
+# and a load pre-hook that takes DTensors, full tensors or this rank's rows back to this
+# rank's rows. Scalars (Adam's ``step``) are the same on every rank and stay as they are.
+# This is what FSDP2's optimizer state is (its parameters are DTensors, so their state
+# is), and what ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` and
+# torchtitan's checkpointer expect.
+#
+# The hooks are registered when the model first meets the optimizer: its first step
+# (``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` step a fresh optimizer
+# once to make its state, ``_init_optim_state`` in
+# ``torch/distributed/checkpoint/state_dict.py``), ``zs.save`` or ``zs.load``. Until then
+# its state dict holds no state of the shards, or what a load put there, which the first
+# step turns into rows.
+# ----------------------------------------------------------------------------------------
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> stepper ids
 

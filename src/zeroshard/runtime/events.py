@@ -5,6 +5,7 @@ that does nothing until something subscribes (the profiler in ``zeroshard.observ
 does). So ``runtime/`` never imports the code that watches it, and an engine without
 listeners pays one empty loop per event.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,13 +1,13 @@
 """The hooks that drive a sharded model's passes ([Note: the step cycle] in
-``sharded.py``): before and after the whole module's forward, before and after each
+``cycle.py``): before and after the whole module's forward, before and after each
 unit's, when backward reaches a unit's outputs, when a trainable parameter's gradient
 has accumulated, and when backward begins and ends. Each hook asks the unit, the
-prefetcher, the reducer, the cycle or the stepper to act; it keeps no state of its own
-but whether ``gathered()`` holds the weights.
+prefetcher, the reducer, the cycle or the stepper to act; it keeps no state of its
+own: where the model is, ``gathered()``'s hold included, is the step cycle's.
 """
+
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 
@@ -15,7 +15,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .build import broadcast_buffers
-from .stepping import CycleState
+from .cycle import CycleState
 from .unit import Unit
 
 
@@ -33,7 +33,6 @@ class PassHooks:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.hold = False  # inside gathered(): stage-3 units stay gathered
         self.handles = []  # the module hooks (a copy of the module drops them: adapters.py)
         # the root's hooks run first and last: every forward of the module, through the
         # model or through a method of the module itself (generate), is prepared alike
@@ -67,21 +66,12 @@ class PassHooks:
             if u.module._compiled_call_impl is None:
                 u.module._compiled_call_impl = _border(u.module)
 
-    @contextlib.contextmanager
-    def holding(self):
-        """Stage-3 units stay gathered for the context (``model.gathered()``)."""
-        self.hold = True
-        try:
-            yield
-        finally:
-            self.hold = False
-
     def _root_pre_forward(self, module, args, kwargs):
         if _recomputing():
             return None
         m = self.model
         m.stepper.settle()  # shards no optimizer stepped since the last backward
-        m.comm.phase = "forward"
+        m.cycle.forward_begins()
         if m.tp_counter is not None:  # on until the step ([Note: counting tensor-parallel
             m.tp_counter.start()      # collectives] in collectives.py)
         for u in m.units:
@@ -111,7 +101,7 @@ class PassHooks:
 
     def _pre_forward(self, unit: Unit) -> None:
         unit.events.emit("forward_begin", unit)
-        if not unit.policy.shards_params or self.hold:
+        if not unit.policy.shards_params or self.model.cycle.held:
             return
         if _recomputing():
             unit.gather()  # activation checkpointing's recompute: not a forward pass
@@ -139,7 +129,7 @@ class PassHooks:
 
     def _post_forward(self, unit: Unit, out) -> None:
         unit.events.emit("forward_end", unit)
-        if not unit.policy.shards_params or self.hold or _recomputing():
+        if not unit.policy.shards_params or self.model.cycle.held or _recomputing():
             return  # activation checkpointing recomputes inside backward: keep it gathered
         unit.release(keep_secondary=torch.is_grad_enabled())  # hpZ: for its backward
         tensors = _needing_grad(out)
@@ -155,12 +145,11 @@ class PassHooks:
         m = self.model
         if m.cycle.state is CycleState.BACKWARD:
             return  # another output of the same backward
-        if self.hold:
+        if self.model.cycle.held:
             raise ValueError("a backward pass began inside model.gathered(), which holds "
                              "the full weights for inference: train outside it")
         new_cycle = m.cycle.new_cycle
         m.cycle.advance("backward_begin")
-        m.comm.phase = "backward"
         m.stepper.backward_begins()
         m.reducer.begin(new_cycle)
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

@@ -21,6 +21,7 @@ Memory categories (bytes on this rank):
 - ``gathered``: full parameters alive right now at stage 3 (transient);
 - ``buffers``: communication buffers and fp32 step gradients alive right now (transient).
 """
+
 from __future__ import annotations
 
 from collections import Counter

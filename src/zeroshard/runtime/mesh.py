@@ -1,44 +1,9 @@
-"""The process groups a sharded model uses, made once at ``zs.shard`` time and owned by
-one :class:`Mesh`: its axes' sizes come from ``spec/dims.py`` ([Note: dims]).
-
-[Note: hybrid sharding] The data-parallel group of N ranks is split into R = N / K
-*shard groups* of K consecutive ranks (a node, or a few), across which the stage's
-categories are sharded, and K *replica groups* of R ranks (the ranks holding the same
-shard in every shard group), across which the shards are replicated (the source
-documents' hybrid sharding; FSDP2's HSDP over a ("replicate", "shard") mesh, DeepSpeed's
-MiCS). Gathers and reduce-scatters stay inside a shard group, on the fast links; only
-the reduced gradient shard, 1/K of the gradients, crosses between groups, in one
-all-reduce over the replica group. K = N is plain ZeRO (no replica groups); K = 1 is
-DDP with the stage's bookkeeping.
-
-Besides these, the engine makes a twin of the shard group for gradient reductions (so
-a rank whose reductions start late cannot pair them with another rank's gathers) and a
-gloo twin of the data-parallel group for fingerprints and agreements (``watch.py``).
-
-[Note: device mesh] To torch the same layout is a ``DeviceMesh`` (:attr:`Mesh.device_mesh`),
-made from these groups, not new ones (``DeviceMesh.from_group``): a 1-D mesh named
-``("shard",)`` over the shard group, or under hybrid sharding the 2-D
-``("replicate", "shard")`` mesh of FSDP2's HSDP, rows the shard groups. A shard is then
-exactly a DTensor ``Shard(0)`` on the ``"shard"`` dim (``unit.py``), which is
-what lets ``torch.distributed.checkpoint`` and FSDP2 read and reshard its state dicts.
-
-[Note: tensor-parallel mesh] Beside tensor parallelism (``zs.shard(..., mesh=)``) the
-user's ``DeviceMesh`` is the layout: ``("dp", "tp")``, or ``("dp_replicate", "dp_shard",
-"tp")`` for hybrid sharding (torchtitan's names). torch's ``parallelize_module`` put the
-model's DTensors on its ``"tp"`` dim; the data-parallel group is the ranks of this
-rank's tp coordinate (the ``"dp"`` dim, or ``dp_replicate × dp_shard`` flattened, K
-= ``dp_shard``'s size), over which ZeRO shards each rank's local slice ([Note:
-tensor-parallel parameters] in ``unit.py``). The tp group is the mesh's own, for
-counting the tensor-parallel collectives DTensor issues (``collectives.py``) and for
-what must hold across the tp ranks: the global norm, the non-finite verdict. The
-control group then spans every rank of the mesh, so the fingerprints and agreements
-(``watch.py``) stop all tp ranks alike, and :attr:`Mesh.device_mesh` is the user's
-mesh, on which a parameter's rows are a DTensor with a placement per dim.
-
-The user's ``DeviceMesh`` read into the groups :class:`~zeroshard.runtime.mesh.Mesh`
-is built from ([Note: tensor-parallel mesh] in ``mesh.py``), checked once with one line
-per mistake.
+"""The process groups of a sharded model, made in one place: the data-parallel, shard,
+replica, reduction, hpZ and control groups from ``spec/dims.py``'s sizes, the user's
+tensor-parallel ``DeviceMesh`` read into them, and the mesh ``zeroshard train --tp``
+builds.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,7 +16,44 @@ import torch.distributed as dist
 from ..spec.dims import ParallelDims
 from .dist import default_device
 
-# -- The process groups a sharded model uses, made once at ``zs.shard`` time and owne ---
+# ----------------------------------------------------------------------------------------
+# The process groups a sharded model uses, made once at ``zs.shard`` time and owned by
+# one :class:`Mesh`: its axes' sizes come from ``spec/dims.py`` ([Note: dims]).
+#
+# [Note: hybrid sharding] The data-parallel group of N ranks is split into R = N / K
+# *shard groups* of K consecutive ranks (a node, or a few), across which the stage's
+# categories are sharded, and K *replica groups* of R ranks (the ranks holding the same
+# shard in every shard group), across which the shards are replicated (the source
+# documents' hybrid sharding; FSDP2's HSDP over a ("replicate", "shard") mesh, DeepSpeed's
+# MiCS). Gathers and reduce-scatters stay inside a shard group, on the fast links; only
+# the reduced gradient shard, 1/K of the gradients, crosses between groups, in one
+# all-reduce over the replica group. K = N is plain ZeRO (no replica groups); K = 1 is
+# DDP with the stage's bookkeeping.
+#
+# Besides these, the engine makes a twin of the shard group for gradient reductions (so
+# a rank whose reductions start late cannot pair them with another rank's gathers) and a
+# gloo twin of the data-parallel group for fingerprints and agreements (``watch.py``).
+#
+# [Note: device mesh] To torch the same layout is a ``DeviceMesh`` (:attr:`Mesh.device_mesh`),
+# made from these groups, not new ones (``DeviceMesh.from_group``): a 1-D mesh named
+# ``("shard",)`` over the shard group, or under hybrid sharding the 2-D
+# ``("replicate", "shard")`` mesh of FSDP2's HSDP, rows the shard groups. A shard is then
+# exactly a DTensor ``Shard(0)`` on the ``"shard"`` dim (``unit.py``), which is
+# what lets ``torch.distributed.checkpoint`` and FSDP2 read and reshard its state dicts.
+#
+# [Note: tensor-parallel mesh] Beside tensor parallelism (``zs.shard(..., mesh=)``) the
+# user's ``DeviceMesh`` is the layout: ``("dp", "tp")``, or ``("dp_replicate", "dp_shard",
+# "tp")`` for hybrid sharding (torchtitan's names). torch's ``parallelize_module`` put the
+# model's DTensors on its ``"tp"`` dim; the data-parallel group is the ranks of this
+# rank's tp coordinate (the ``"dp"`` dim, or ``dp_replicate × dp_shard`` flattened, K
+# = ``dp_shard``'s size), over which ZeRO shards each rank's local slice ([Note:
+# tensor-parallel parameters] in ``unit.py``). The tp group is the mesh's own, for
+# counting the tensor-parallel collectives DTensor issues (``collectives.py``) and for
+# what must hold across the tp ranks: the global norm, the non-finite verdict. The
+# control group then spans every rank of the mesh, so the fingerprints and agreements
+# (``watch.py``) stop all tp ranks alike, and :attr:`Mesh.device_mesh` is the user's
+# mesh, on which a parameter's rows are a DTensor with a placement per dim.
+# ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Mesh:
@@ -237,7 +239,11 @@ def _is_mesh(spec) -> bool:
     return type(spec).__name__ == "DeviceMesh"
 
 
-# -- The user's ``DeviceMesh`` read into the groups  ---
+# ----------------------------------------------------------------------------------------
+# The user's ``DeviceMesh`` read into the groups :class:`~zeroshard.runtime.mesh.Mesh`
+# is built from ([Note: tensor-parallel mesh] in ``mesh.py``), checked once with one line
+# per mistake.
+# ----------------------------------------------------------------------------------------
 
 #: The dims ``zs.shard(..., mesh=)`` takes, torchtitan's names (``ParallelDims`` in
 #: ``torchtitan/distributed/parallel_dims.py``): plain ZeRO beside tensor parallelism, and

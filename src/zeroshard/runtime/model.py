@@ -1,25 +1,7 @@
-"""What a sharded model gives out besides its state dict (``dtensor.py``): its full
-weights, and the bytes it holds and sends.
-
-The sharded model: the ordinary training loop over ZeRO stage 0-3.
-
-[Note: the step cycle] One optimizer step is a *cycle* of one or more backward passes
-(``stepping.py`` names its states):
-
-1. forward: where parameters are sharded (stage 3) each unit is gathered before its
-   forward and released after it, arming a hook on its outputs that gathers it again
-   for backward (FSDP's pre-backward hook); ``schedule.py`` gathers ahead.
-2. backward: each unit's gradients are reduced as soon as it is done, in one order on
-   every rank (``schedule.py``), packed into one buffer per unit
-   (``schedule.py``).
-3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
-   its gradient; the post-hook brings the compute weights up to date (a cast, or an
-   all-gather awaited in the next forward).
-
-:class:`ShardedModel` builds its collaborators once and owns them (the mesh, the
-collectives, the units, the reducer, the prefetcher, the step cycle, the pass hooks of
-``hooks.py``, the stepper); its public methods are ``nn.Module``'s and a few more.
+"""The sharded model the user holds: :class:`ShardedModel`, its collaborators and public
+methods, and what it gives out (full weights, bytes held).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +21,7 @@ from .build import (
     select_units,
 )
 from .collectives import Collectives, TPCounter
+from .cycle import StepCycle
 from .dist import default_device
 from .dtensor import load_into, owners, state_dict_of
 from .events import Events
@@ -46,12 +29,15 @@ from .hooks import PassHooks
 from .ledger import Ledger
 from .mesh import Mesh, check_mesh, check_tp_params
 from .schedule import CommContext, Prefetcher, Reducer
-from .stepping import StepCycle, Stepper, register_for_step_hooks
+from .stepping import Stepper, register_for_step_hooks
 from .unit import disk_bytes, full_tensors, host_bytes, measure, tp_dim
 from .wrapped import ModuleGuard, refuse_quantized
 from .wrapped import install as install_peft_calls
 
-# -- What a sharded model gives out besides its state dict (``dtensor.py``) ---
+# ----------------------------------------------------------------------------------------
+# What a sharded model gives out besides its state dict (``dtensor.py``): its full
+# weights, and the bytes it holds and sends.
+# ----------------------------------------------------------------------------------------
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """Full, unsharded weights (the fp32 master where there is one) and buffers under
@@ -102,7 +88,26 @@ def memory(model, optimizer=None, by_placement: bool = False) -> dict:
             "disk": disk}
 
 
-# -- The sharded model ---
+# ----------------------------------------------------------------------------------------
+# The sharded model: the ordinary training loop over ZeRO stage 0-3.
+#
+# [Note: the step cycle] One optimizer step is a *cycle* of one or more backward passes
+# (``stepping.py`` names its states):
+#
+# 1. forward: where parameters are sharded (stage 3) each unit is gathered before its
+#    forward and released after it, arming a hook on its outputs that gathers it again
+#    for backward (FSDP's pre-backward hook); ``schedule.py`` gathers ahead.
+# 2. backward: each unit's gradients are reduced as soon as it is done, in one order on
+#    every rank (``schedule.py``), packed into one buffer per unit
+#    (``schedule.py``).
+# 3. step: a global optimizer step pre-hook finishes the reductions and hands each shard
+#    its gradient; the post-hook brings the compute weights up to date (a cast, or an
+#    all-gather awaited in the next forward).
+#
+# :class:`ShardedModel` builds its collaborators once and owns them (the mesh, the
+# collectives, the units, the reducer, the prefetcher, the step cycle, the pass hooks of
+# ``hooks.py``, the stepper); its public methods are ``nn.Module``'s and a few more.
+# ----------------------------------------------------------------------------------------
 
 class ShardedModel(nn.Module):
     """A model whose training state is sharded per :class:`ZeroConfig`.
@@ -140,10 +145,12 @@ class ShardedModel(nn.Module):
         check_tp_params(module, mesh)
         self.mesh = Mesh.build(group, config.shard_group, config.secondary_group, mesh)
         """Every process group, rank and size of this model (``runtime/mesh.py``)."""
+        self.cycle = StepCycle()
+        """Where the model is in its passes and its step (``cycle.py``)."""
         self.comm = Collectives(self.ledger, self.mesh, check=config.check_collectives,
                                 quantize_weights=config.quantize_weights,
                                 quantize_grads=config.quantize_grads,
-                                quant_block=config.quant_block)
+                                quant_block=config.quant_block, cycle=self.cycle)
         self.ctx = CommContext()
         if config.sync_module_states:
             with torch.no_grad():
@@ -160,7 +167,6 @@ class ShardedModel(nn.Module):
                                     key=lambda ns: position[ns[0]])
         self.reducer = Reducer(self.units, config.reduce_bucket)
         self.comm.unit_names = [u.name for u in self.units]
-        self.cycle = StepCycle()
         self.prefetcher = Prefetcher(config.prefetch, config.prefetch_bucket_size)
         self.stepper = Stepper(self.units, self.comm, self.reducer, self.cycle, self.policy,
                                config, self.events, self._named_shards)
@@ -177,7 +183,7 @@ class ShardedModel(nn.Module):
         self._original_ids |= {id(p) for u in self.units for p in u.view.sharded or ()}
         register_for_step_hooks(self)
         self.ledger.reset()  # comm_stats() counts training, not set-up
-        self.comm.phase = "between steps"
+        self.cycle.ready()
 
     @property
     def stage(self) -> int:
@@ -253,7 +259,7 @@ class ShardedModel(nn.Module):
     @property
     def steps(self) -> int:
         """Optimizer steps taken (skipped ones included): every rank counts alike."""
-        return self.stepper.steps
+        return self.cycle.steps
 
     @property
     def skipped_steps(self) -> int:
@@ -327,7 +333,7 @@ class ShardedModel(nn.Module):
         for u in held:
             u.gather()
         try:
-            with self.hooks.holding():
+            with self.cycle.holding():
                 yield self
         finally:
             for u in held:

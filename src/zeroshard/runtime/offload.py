@@ -1,92 +1,7 @@
-"""Disk offload's files: each unit's fp32 master and Adam's two moments in one file.
-
-A unit's file holds three planes of the unit's optimizer slot (``g_layout.slot_numel``
-fp32 elements each, padding included): the master, ``exp_avg``, ``exp_avg_sq``. The
-files of one model on one rank live in a scratch folder of their own under
-``offload_dir`` (``zeroshard-offload-rankR-*``); a unit's file goes when its unit does,
-and at the latest when the process exits cleanly (``weakref.finalize``), and the folder
-with its last file. They are never a checkpoint: ``zs.save`` reads them into its own
-files, and a crash leaves the last checkpoint the only truth.
-
-Two ways in, for two kinds of reader:
-
-* The step streams sub-groups with ``os.preadv``/``os.pwritev`` into buffers it owns
-  (``stream.py``). Plain file I/O because the kernel's page cache is not the process's
-  memory: the process holds exactly the buffers, the calls release the GIL (so a
-  background thread reads and writes while torch's kernel steps), and a write that fails
-  (a full disk) is an ``OSError`` here, not a ``SIGBUS`` in the middle of a kernel.
-* Everyone else — ``state_dict()``, ``zs.save``, ``full_state_dict()``, loading — sees
-  tensors: the master and moments as ``torch.frombuffer`` views of a shared ``mmap`` of
-  the same file (one page cache, so both ways agree). What such a reader touches is
-  mapped into the process until the next step drops it (``MADV_DONTNEED``: the pages
-  stay in the page cache and in the file).
-
-Every byte is written when the file is made (the master, then zeros): a disk too small
-for the state is an error at ``zs.shard``, and later writes only overwrite allocated
-blocks.
-
-Disk offload's optimizer step: AdamW streamed through host memory in sub-groups.
-
-This rank's optimizer partition is every disk unit's slot, in unit order, cut into
-sub-groups of ``sub_group_size`` elements (DeepSpeed's meaning; a sub-group may span
-parameters and units). For sub-group k the step
-
-1. queues the read of k + 1 (master, ``exp_avg``, ``exp_avg_sq``) into the other of two
-   buffers, behind the write-back of k - 1 that leaves it, and waits for its own read,
-3. steps it with torch's fused AdamW kernel (``torch._fused_adamw_``, as
-   ``HostAdamW``), one call per param group, on the segments of the parameters that
-   have a gradient (the fp32 host gradients offload lands during backward),
-4. casts each updated segment to the compute dtype on the host and copies it into the
-   device's weights — stage 3's weight shard, or this rank's rows of the full weights
-   that stages 1-2 all-gather after the step,
-5. starts writing k back.
-
-Reads and writes run in order on one background thread (``os.preadv``/``os.pwritev`` and
-the kernel release the GIL) while the current sub-group steps, so the host holds two
-sub-groups of master and moments whatever the model's size, and a sub-group takes the
-longer of its step and the I/O beside it (one write and one read). The update is
-elementwise, and torch's fused kernel gives the same bits on any split of a tensor, so
-the result is ``AdamW(fused=True)``'s on the whole tensors, bit for bit.
-Hyper-parameters come from the user's optimizer's param groups at each step (LR
-schedulers keep working); its own ``step()`` then finds no gradient and does nothing.
-Its state holds the step counts and, as ``exp_avg``/``exp_avg_sq``, tensors over the
-files: its ``state_dict()`` reads them there.
-
-AdamW for the host step of optimizer offload: torch's fused CPU kernel, plus the cast.
-
-When the optimizer is offloaded, the fp32 master weights and Adam's two moments live in
-host memory and the step runs on the CPU. That step is a pure stream over memory: per
-parameter it reads the weight, the gradient and both moments (4 x 4 bytes) and writes the
-weight and both moments back (3 x 4 bytes), 28 bytes, with a dozen flops in between. What
-decides its speed is therefore how close it gets to the memory bandwidth, and that is a
-question of the kernel, not of Python: torch ships a vectorised, OpenMP-parallel fused
-AdamW for CPU (``torch._fused_adamw_``, ``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``),
-which ``bench/host_adam.py`` measures at the speed of DeepSpeed's hand-written
-``DeepSpeedCPUAdam`` and near this machine's bandwidth limit. ``HostAdamW`` calls that
-kernel, so its update is bit for bit the one of ``torch.optim.AdamW(fused=True)``; the
-state dict has torch's layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter) and
-loads into torch's AdamW and back.
-
-What it adds is the cast. Offload sends the updated weights back to the device in the
-compute dtype, so each master weight may be given an output tensor (bf16 or fp16) that
-every step refreshes with ``param.to(out.dtype)``, right after the update. torch has no
-kernel that updates and casts in one pass, so the cast is a second, multi-tensor pass
-(``torch._foreach_copy_``): 4 bytes read and 2 written per weight. Walking the update in
-cache-sized chunks, each cast right behind its chunk, was measured and gained at most 3 %:
-torch 2.13's fp32-to-bf16 conversion runs at 7-10 G elements/s per thread whether its
-input is in cache or not, so the cast costs its conversion, not its memory traffic.
-(One pass compiled by ``torch.compile`` stepped and cast 50 M weights 1.19x faster on one
-thread, but it rounds differently from torch's AdamW (a few thousand weights of a million
-differ after one step), compiles for ~20 s and needs a C++ compiler at run time; agreeing
-with torch's optimizer to the bit is worth more here: offload must be exact.)
-
-The update, per element with g the gradient, t the step count (torch's AdamW)::
-
-    p     <- p * (1 - lr * weight_decay)                 # decoupled weight decay
-    m     <- beta1 * m + (1 - beta1) * g
-    v     <- beta2 * v + (1 - beta2) * g^2
-    p     <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+"""Offload: the optimizer state and the master weights placed in host memory or on
+disk, the host AdamW step, and disk offload's streamed step.
 """
+
 from __future__ import annotations
 
 import errno
@@ -102,7 +17,34 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# -- Disk offload's files ---
+# ----------------------------------------------------------------------------------------
+# Disk offload's files: each unit's fp32 master and Adam's two moments in one file.
+#
+# A unit's file holds three planes of the unit's optimizer slot (``g_layout.slot_numel``
+# fp32 elements each, padding included): the master, ``exp_avg``, ``exp_avg_sq``. The
+# files of one model on one rank live in a scratch folder of their own under
+# ``offload_dir`` (``zeroshard-offload-rankR-*``); a unit's file goes when its unit does,
+# and at the latest when the process exits cleanly (``weakref.finalize``), and the folder
+# with its last file. They are never a checkpoint: ``zs.save`` reads them into its own
+# files, and a crash leaves the last checkpoint the only truth.
+#
+# Two ways in, for two kinds of reader:
+#
+# * The step streams sub-groups with ``os.preadv``/``os.pwritev`` into buffers it owns
+#   (``stream.py``). Plain file I/O because the kernel's page cache is not the process's
+#   memory: the process holds exactly the buffers, the calls release the GIL (so a
+#   background thread reads and writes while torch's kernel steps), and a write that fails
+#   (a full disk) is an ``OSError`` here, not a ``SIGBUS`` in the middle of a kernel.
+# * Everyone else — ``state_dict()``, ``zs.save``, ``full_state_dict()``, loading — sees
+#   tensors: the master and moments as ``torch.frombuffer`` views of a shared ``mmap`` of
+#   the same file (one page cache, so both ways agree). What such a reader touches is
+#   mapped into the process until the next step drops it (``MADV_DONTNEED``: the pages
+#   stay in the page cache and in the file).
+#
+# Every byte is written when the file is made (the master, then zeros): a disk too small
+# for the state is an error at ``zs.shard``, and later writes only overwrite allocated
+# blocks.
+# ----------------------------------------------------------------------------------------
 
 #: The planes of a unit's file, in order.
 PLANES = ("master", "exp_avg", "exp_avg_sq")
@@ -233,7 +175,34 @@ def place_on_disk(master: torch.Tensor, offload_dir: str, comm, index: int):
     return disk, disk.planes[0]
 
 
-# -- Disk offload's optimizer step ---
+# ----------------------------------------------------------------------------------------
+# Disk offload's optimizer step: AdamW streamed through host memory in sub-groups.
+#
+# This rank's optimizer partition is every disk unit's slot, in unit order, cut into
+# sub-groups of ``sub_group_size`` elements (DeepSpeed's meaning; a sub-group may span
+# parameters and units). For sub-group k the step
+#
+# 1. queues the read of k + 1 (master, ``exp_avg``, ``exp_avg_sq``) into the other of two
+#    buffers, behind the write-back of k - 1 that leaves it, and waits for its own read,
+# 3. steps it with torch's fused AdamW kernel (``torch._fused_adamw_``, as
+#    ``HostAdamW``), one call per param group, on the segments of the parameters that
+#    have a gradient (the fp32 host gradients offload lands during backward),
+# 4. casts each updated segment to the compute dtype on the host and copies it into the
+#    device's weights — stage 3's weight shard, or this rank's rows of the full weights
+#    that stages 1-2 all-gather after the step,
+# 5. starts writing k back.
+#
+# Reads and writes run in order on one background thread (``os.preadv``/``os.pwritev`` and
+# the kernel release the GIL) while the current sub-group steps, so the host holds two
+# sub-groups of master and moments whatever the model's size, and a sub-group takes the
+# longer of its step and the I/O beside it (one write and one read). The update is
+# elementwise, and torch's fused kernel gives the same bits on any split of a tensor, so
+# the result is ``AdamW(fused=True)``'s on the whole tensors, bit for bit.
+# Hyper-parameters come from the user's optimizer's param groups at each step (LR
+# schedulers keep working); its own ``step()`` then finds no gradient and does nothing.
+# Its state holds the step counts and, as ``exp_avg``/``exp_avg_sq``, tensors over the
+# files: its ``state_dict()`` reads them there.
+# ----------------------------------------------------------------------------------------
 
 _REFUSED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -460,7 +429,42 @@ class DiskStep:
             dest.copy_(master if dest.dtype == master.dtype else master.to(dest.dtype))
 
 
-# -- AdamW for the host step of optimizer offload ---
+# ----------------------------------------------------------------------------------------
+# AdamW for the host step of optimizer offload: torch's fused CPU kernel, plus the cast.
+#
+# When the optimizer is offloaded, the fp32 master weights and Adam's two moments live in
+# host memory and the step runs on the CPU. That step is a pure stream over memory: per
+# parameter it reads the weight, the gradient and both moments (4 x 4 bytes) and writes the
+# weight and both moments back (3 x 4 bytes), 28 bytes, with a dozen flops in between. What
+# decides its speed is therefore how close it gets to the memory bandwidth, and that is a
+# question of the kernel, not of Python: torch ships a vectorised, OpenMP-parallel fused
+# AdamW for CPU (``torch._fused_adamw_``, ``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``),
+# which ``bench/host_adam.py`` measures at the speed of DeepSpeed's hand-written
+# ``DeepSpeedCPUAdam`` and near this machine's bandwidth limit. ``HostAdamW`` calls that
+# kernel, so its update is bit for bit the one of ``torch.optim.AdamW(fused=True)``; the
+# state dict has torch's layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter) and
+# loads into torch's AdamW and back.
+#
+# What it adds is the cast. Offload sends the updated weights back to the device in the
+# compute dtype, so each master weight may be given an output tensor (bf16 or fp16) that
+# every step refreshes with ``param.to(out.dtype)``, right after the update. torch has no
+# kernel that updates and casts in one pass, so the cast is a second, multi-tensor pass
+# (``torch._foreach_copy_``): 4 bytes read and 2 written per weight. Walking the update in
+# cache-sized chunks, each cast right behind its chunk, was measured and gained at most 3 %:
+# torch 2.13's fp32-to-bf16 conversion runs at 7-10 G elements/s per thread whether its
+# input is in cache or not, so the cast costs its conversion, not its memory traffic.
+# (One pass compiled by ``torch.compile`` stepped and cast 50 M weights 1.19x faster on one
+# thread, but it rounds differently from torch's AdamW (a few thousand weights of a million
+# differ after one step), compiles for ~20 s and needs a C++ compiler at run time; agreeing
+# with torch's optimizer to the bit is worth more here: offload must be exact.)
+#
+# The update, per element with g the gradient, t the step count (torch's AdamW)::
+#
+#     p     <- p * (1 - lr * weight_decay)                 # decoupled weight decay
+#     m     <- beta1 * m + (1 - beta1) * g
+#     v     <- beta2 * v + (1 - beta2) * g^2
+#     p     <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+# ----------------------------------------------------------------------------------------
 
 #: dtypes a cast output may have: the compute dtypes of mixed precision
 CAST_DTYPES = (torch.bfloat16, torch.float16)

@@ -22,6 +22,7 @@ collective per call, n + 4⌈n/B⌉ bytes per slot (1 + 4/B bytes per element, n
 ``all_gather_single`` on int8 CPU tensors, as NCCL does on CUDA, so qgZ is a real
 all-to-all on both; checked by ``tests/test_quantize.py``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -25,6 +25,7 @@ shrink, so once spent every further overflow in a row halves the scale.
     scaler.step(optimizer)              # skipped on every rank after an overflow
     scaler.update()
 """
+
 from __future__ import annotations
 
 import math

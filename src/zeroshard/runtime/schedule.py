@@ -1,66 +1,38 @@
-"""The comm context: what orders a model's collectives against its compute.
-
-[Note: comm context] Three kinds of collective run beside the model's compute, each
-issued by a unit and landed by it later:
-
-| kind   | issued                                     | landed                          |
-|--------|--------------------------------------------|---------------------------------|
-| gather | stage 3: a unit's all-gather, on use or    | before the unit computes        |
-|        | ahead of it (prefetch)                     |                                 |
-| reduce | a unit's gradient reduction, once its      | before the next backward or the |
-|        | backward is done                           | step                            |
-| sync   | stages 1-2: the all-gather of updated rows | before the next forward         |
-|        | after the step                             |                                 |
-
-The context holds every collective in flight — its work handle and the buffers it
-reads and writes, which must live until it lands — per kind and unit, and is the one
-place that waits for them. So the order in which communication and compute meet is
-decided here and nowhere else: on the CPU a work handle's ``wait()`` is that order
-(gloo runs collectives on its own threads); on a GPU the same three kinds are where a
-stream per kind and the events that join it to the compute stream belong (FSDP2's
-``FSDPCommContext`` holds its all-gather and reduce-scatter streams alike), with no
-unit, reducer or prefetcher changed.
-
-Issuing gradient reductions: a bucket of units, one collective.
-
-The engine (``sharded.py``) decides *when* a unit's reduction is issued (in a fixed
-order, every rank the same); this module packs the units' local gradients into one
-communication buffer and starts the collective the policy names over it.
-Each unit lands its share later in :meth:`Unit.wait_reduce`.
-
-Backward and the gradient reductions: when each unit's reduction is issued, and the
-gradients made final for the step.
-
-A unit is done with a backward when every trainable parameter of it has accumulated
-its gradient (a post-accumulate-grad hook per parameter) or, for parameters that got
-none, when backward ends (a queued autograd callback). Reductions are *issued in a
-fixed order* (the reverse of the units' forward order), so every rank issues the same
-sequence even when a rank's unused parameter makes a unit finish late there; the
-reductions travel on their own process group (``collectives.py``), so they cannot
-interleave with stage 3's gathers. What a reduction leaves in the full gradients, and
-where the result is kept, is the policy's (``policy.py``); how it is packed is
-``reduce.py``'s.
-
-Stage 3's prefetch: the gather order of each pass, recorded, and the gathers issued
-ahead of use from it.
-
-[Note: prefetch] A unit's all-gather is issued in its pre-forward (or pre-backward)
-hook; right after it, the gathers of the next ``depth`` units *in the order this phase
-ran on the previous pass* are issued too, so they travel while the current unit
-computes (FSDP2's implicit forward/backward prefetch; DeepSpeed's trace-based
-prefetch). The order is recorded afresh on every pass, so a model whose execution
-order changes is prefetched by its last pass: a wrong guess costs one unused gather
-(released at the end of backward), never a wrong result. ``bucket`` bounds the
-elements prefetched at once (DeepSpeed's ``stage3_prefetch_bucket_size``); the next
-unit is always allowed.
+"""The order of a pass's collectives: the collectives in flight per unit (the comm
+context), each unit's gradient reduction issued in one order on every rank (alone or
+in a bucket), and stage 3's gathers issued ahead of use (prefetch).
 """
+
 from __future__ import annotations
 
 import torch
 
 from .unit import Unit, UnitState, local_grads
 
-# -- The comm context ---
+# ----------------------------------------------------------------------------------------
+# The comm context: what orders a model's collectives against its compute.
+#
+# [Note: comm context] Three kinds of collective run beside the model's compute, each
+# issued by a unit and landed by it later:
+#
+# | kind   | issued                                     | landed                          |
+# |--------|--------------------------------------------|---------------------------------|
+# | gather | stage 3: a unit's all-gather, on use or    | before the unit computes        |
+# |        | ahead of it (prefetch)                     |                                 |
+# | reduce | a unit's gradient reduction, once its      | before the next backward or the |
+# |        | backward is done                           | step                            |
+# | sync   | stages 1-2: the all-gather of updated rows | before the next forward         |
+# |        | after the step                             |                                 |
+#
+# The context holds every collective in flight — its work handle and the buffers it
+# reads and writes, which must live until it lands — per kind and unit, and is the one
+# place that waits for them. So the order in which communication and compute meet is
+# decided here and nowhere else: on the CPU a work handle's ``wait()`` is that order
+# (gloo runs collectives on its own threads); on a GPU the same three kinds are where a
+# stream per kind and the events that join it to the compute stream belong (FSDP2's
+# ``FSDPCommContext`` holds its all-gather and reduce-scatter streams alike), with no
+# unit, reducer or prefetcher changed.
+# ----------------------------------------------------------------------------------------
 
 #: The kinds of collective a unit has in flight (see the note).
 KINDS = ("gather", "reduce", "sync")
@@ -110,7 +82,14 @@ class CommContext:
                 for t in self._flight[kind][unit][1]]
 
 
-# -- Issuing gradient reductions ---
+# ----------------------------------------------------------------------------------------
+# Issuing gradient reductions: a bucket of units, one collective.
+#
+# The engine (``sharded.py``) decides *when* a unit's reduction is issued (in a fixed
+# order, every rank the same); this module packs the units' local gradients into one
+# communication buffer and starts the collective the policy names over it.
+# Each unit lands its share later in :meth:`Unit.wait_reduce`.
+# ----------------------------------------------------------------------------------------
 
 def issue_reduce(units: list[Unit]) -> None:
     """Pack the local gradients of ``units`` — plus one presence flag per parameter, so a
@@ -149,7 +128,20 @@ def issue_reduce(units: list[Unit]) -> None:
         u.reduction_issued(work, buf, part)
 
 
-# -- Backward and the gradient reductions ---
+# ----------------------------------------------------------------------------------------
+# Backward and the gradient reductions: when each unit's reduction is issued, and the
+# gradients made final for the step.
+#
+# A unit is done with a backward when every trainable parameter of it has accumulated
+# its gradient (a post-accumulate-grad hook per parameter) or, for parameters that got
+# none, when backward ends (a queued autograd callback). Reductions are *issued in a
+# fixed order* (the reverse of the units' forward order), so every rank issues the same
+# sequence even when a rank's unused parameter makes a unit finish late there; the
+# reductions travel on their own process group (``collectives.py``), so they cannot
+# interleave with stage 3's gathers. What a reduction leaves in the full gradients, and
+# where the result is kept, is the policy's (``policy.py``); how it is packed is
+# ``reduce.py``'s.
+# ----------------------------------------------------------------------------------------
 
 class Reducer:
     """The reduction order and buckets of one sharded model's units."""
@@ -246,7 +238,20 @@ class Reducer:
         self._flying = []
 
 
-# -- Stage 3's prefetch ---
+# ----------------------------------------------------------------------------------------
+# Stage 3's prefetch: the gather order of each pass, recorded, and the gathers issued
+# ahead of use from it.
+#
+# [Note: prefetch] A unit's all-gather is issued in its pre-forward (or pre-backward)
+# hook; right after it, the gathers of the next ``depth`` units *in the order this phase
+# ran on the previous pass* are issued too, so they travel while the current unit
+# computes (FSDP2's implicit forward/backward prefetch; DeepSpeed's trace-based
+# prefetch). The order is recorded afresh on every pass, so a model whose execution
+# order changes is prefetched by its last pass: a wrong guess costs one unused gather
+# (released at the end of backward), never a wrong result. ``bucket`` bounds the
+# elements prefetched at once (DeepSpeed's ``stage3_prefetch_bucket_size``); the next
+# unit is always allowed.
+# ----------------------------------------------------------------------------------------
 
 PHASES = ("forward", "backward")
 

@@ -11,6 +11,7 @@ that raises has its traceback reported; the other ranks, likely blocked in a col
 by then, are killed; and a group that does not finish within ``timeout`` seconds is
 killed and reported instead of hanging.
 """
+
 from __future__ import annotations
 
 import codecs

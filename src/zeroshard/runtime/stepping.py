@@ -1,84 +1,11 @@
-"""The step cycle as a state machine.
-
-[Note: the step cycle] One optimizer step consumes a *cycle* of one or more backward
-passes (gradient accumulation). The engine moves through the states below on the
-events it sees — backward begins and ends (autograd hooks), the gradients are made
-final (the step's pre-hook or ``clip_grad_norm_``), the step begins and ends (global
-optimizer hooks), ``zero_grad()`` — and any other order is a misuse, reported with
-what happened and what was expected (FSDP2's ``TrainingState`` plays the same role).
-
-Gradient clipping by the global norm when every rank holds a slice of it.
-
-Each rank sums ``|g|^p`` over the rows it owns and one all-reduce adds the partial
-sums (the source documents' "all-reduce of local sums of squares"), so every rank
-applies the same factor; a per-rank norm would scale each slice differently. Beside
-tensor parallelism a second all-reduce adds the tp ranks' sums, a parameter every tp
-rank holds whole counted on one of them (``unit/readout.norm_grads``): torch's own
-``clip_grad_norm_`` refuses FSDP2 + TP's parameters, which sit on two meshes.
-
-Non-finite gradients: found once, agreed by every rank, acted on alike.
-
-A NaN or inf in one rank's local gradients reaches every rank through the reduction
-(a sum with a NaN is NaN), so after it each rank's share of the reduced gradients says
-whether the step is safe — but where a rank holds only its share (stages 1-3), it sees
-only that share. One small exchange of a flag per rank makes the verdict global, so
-every rank raises, skips or steps together; a verdict per rank would let the ranks'
-weights drift apart for good.
-
-The verdict costs what it must and no more ([Note: the cost of the verdict]):
-
-- where the cycle's gradients were clipped, the global norm (already the same on every
-  rank, ``clip.py``) is non-finite exactly when some gradient is: no scan, no exchange;
-- where every rank holds the same averaged gradients (stage 0 without tensor
-  parallelism: an all-reduce leaves the same bits on every rank), each rank scans them
-  all and reaches the verdict every other rank reaches: no exchange;
-- otherwise each rank scans its own rows and one exchange of a flag agrees.
-
-[Note: the cost of the verdict] The scan is one sum per tensor, as DeepSpeed's overflow
-check (``_has_inf_or_nan``): a NaN or an inf in a tensor makes its sum non-finite, and a
-sum of finite values overflows only past 3.4e38, where the tensor is then looked at
-element by element before it is called non-finite. A sum reads each element once with
-no temporary: 1.6 ms for the 10.6M gradients of GPT medium on one CPU thread, against
-33 ms for the infinity norm this replaced (which takes ``abs`` into a temporary first).
-Exchanging the flag costs a small all-gather and a meeting of the ranks, about as much
-again as scanning every row at stage 0, which is why stage 0 scans instead.
-``ZeroConfig.nonfinite`` picks the policy (``spec.config.NONFINITE_POLICIES``).
-
-Which optimizers may step a shard, and how.
-
-ZeRO-1 and beyond give each rank some rows of every parameter. An elementwise update
-(each element's new value depends only on that element's weight, gradient and state) is
-exact on them: torch's own step runs on the rows (ZeRO paper, section 5.1). An update
-that reads more is classified once per optimizer ([Note: optimizer needs] in
-``spec/optimizers.py``): sums over whole tensors (Adafactor, LAMB) are completed by one
-small all-reduce a round (``reduced.py``); whole-matrix updates (Muon) are computed by
-an owner per matrix (``matrix.py``). Either way the engine runs the step in the
-optimizer's pre-hook with torch's own maths on the optimizer's own param groups and
-state, and leaves its ``step()`` no gradient to act on. Anything else is refused: its
-update would differ from the unsharded one, silently.
-
-The step side of a sharded model: gradients made final, clipped, checked for
-non-finite values, handed to the optimizers, and the compute weights brought up to date
-after them ([Note: the step cycle] in ``model.py``).
-
-:class:`Stepper` is one collaborator of the model, owning the step's state (which shards
-the optimizers stepped this cycle, the clipped norm, a loss scaler's verdict, the step
-counters); the optimizer's global hooks (``optim.py``), ``zero_grad``,
-``clip_grad_norm_`` and the loss scaler call its methods.
-
-[Note: several optimizers] A cycle's gradients may be stepped by several optimizers
-over disjoint parameters (Muon for the matrices, AdamW for the rest). Each shard is
-stepped once a cycle; a unit's compute weights are brought up to date (the all-gather
-of stages 1-2, the cast of stages 0 and 3) as soon as every shard of it that has a
-gradient was stepped, so the last optimizer's post-hook ends the cycle. Shards no
-optimizer steps (an optimizer over part of the model) are settled by the next forward,
-backward or ``zero_grad()``. The first optimizer of a cycle takes
-the decisions that are the cycle's: the step begins, the gradients are final, the
-non-finite check (one exchange) says whether every optimizer skips.
+"""The step: clipping by the global norm, the non-finite verdict, the optimizer's
+global hooks, and the :class:`Stepper` that makes the gradients final, hands them to
+the optimizers and brings the compute weights up to date, moving the step cycle
+(``cycle.py``) on as it goes.
 """
+
 from __future__ import annotations
 
-import enum
 import warnings
 import weakref
 
@@ -87,100 +14,21 @@ import torch.distributed as dist
 
 from ..spec.optimizers import ELEMENTWISE, REFUSED, STEPPED, Need, supported
 from ..spec.policy import FullGrads
+from .cycle import CycleState, StepCycle
 from .dtensor import attach
 from .offload import DiskStep, check_streamable
 from .unit import dim0_chunk, norm_grads
 
-# -- The step cycle as a state machine ---
-
-class CycleState(enum.Enum):
-    """Where the engine is in the step cycle, and what gradient memory that implies."""
-
-    IDLE = "idle"
-    """No gradient of a new cycle yet (after construction, a step or ``zero_grad()``):
-    the next backward starts a new cycle and overwrites what the last one left."""
-    BACKWARD = "backward"
-    """Inside a backward pass: units finish and their reductions are issued in order."""
-    REDUCING = "reducing"
-    """A synchronised backward has ended; its last reductions may still be in flight."""
-    UNREDUCED = "unreduced"
-    """A backward under ``no_sync()`` has ended: local gradients only, nothing issued."""
-    FINAL = "final"
-    """Every reduction has landed and each shard holds its gradient: inspect, clip,
-    step."""
-    STEP = "step"
-    """Inside ``optimizer.step()``, between its pre- and post-hook."""
-    PARTIAL = "partial"
-    """Some optimizers have stepped this cycle's gradients and some shards that have a
-    gradient are in none of them yet (Muon for the matrices, AdamW for the rest): the
-    units whose every shard is stepped have their compute weights brought up to date;
-    the rest wait for the other optimizers' steps, or for the next forward or
-    ``zero_grad()``, which settle them (an optimizer over part of the model) and end
-    the cycle."""
-
-
-S = CycleState
-#: event -> {state it may happen in: state it leads to}
-_TRANSITIONS: dict[str, dict[CycleState, CycleState]] = {
-    "backward_begin": {S.IDLE: S.BACKWARD, S.REDUCING: S.BACKWARD, S.UNREDUCED: S.BACKWARD,
-                       S.FINAL: S.BACKWARD},
-    "backward_end": {S.BACKWARD: S.REDUCING},
-    "backward_end_unreduced": {S.BACKWARD: S.UNREDUCED},
-    "finalize": {S.IDLE: S.FINAL, S.REDUCING: S.FINAL, S.UNREDUCED: S.FINAL, S.FINAL: S.FINAL,
-                 S.PARTIAL: S.PARTIAL},
-    "step_begin": {S.FINAL: S.STEP, S.PARTIAL: S.STEP},
-    "step_end": {S.STEP: S.IDLE},
-    "step_part": {S.STEP: S.PARTIAL},
-    "settle": {S.PARTIAL: S.IDLE},
-    "zero_grad": {S.IDLE: S.IDLE, S.REDUCING: S.IDLE, S.UNREDUCED: S.IDLE, S.FINAL: S.IDLE},
-}
-
-#: What each event is, in the words of the error that reports it out of order.
-_WHAT = {
-    "backward_begin": "a backward pass began",
-    "backward_end": "a backward pass ended",
-    "backward_end_unreduced": "a backward pass ended",
-    "finalize": "the gradients were read (optimizer.step() or clip_grad_norm_())",
-    "step_begin": "optimizer.step() began",
-    "step_end": "optimizer.step() ended",
-    "step_part": "optimizer.step() ended",
-    "settle": "the cycle's step was settled",
-    "zero_grad": "zero_grad() was called",
-}
-
-_EXPECTED = {
-    S.BACKWARD: "the backward pass to finish first: call optimizer.step(), "
-                "clip_grad_norm_() and zero_grad() after loss.backward() returns",
-    S.STEP: "optimizer.step() to return first: no backward, clipping or zero_grad() "
-            "from inside the optimizer's step",
-    S.PARTIAL: "the step of the other optimizers holding this model's shards, or a "
-               "forward, before another backward",
-}
-
-
-class StepCycle:
-    """The current :class:`CycleState`, advanced by :meth:`advance`."""
-
-    def __init__(self) -> None:
-        self.state = CycleState.IDLE
-
-    def advance(self, event: str) -> CycleState:
-        """Move on ``event``; a ValueError names the event, the state and the fix."""
-        nxt = _TRANSITIONS[event].get(self.state)
-        if nxt is None:
-            expected = _EXPECTED.get(self.state, "a backward pass before the step")
-            raise ValueError(f"zeroshard: {_WHAT[event]} while the model is in state "
-                             f"{self.state.value!r}; expected {expected}")
-        self.state = nxt
-        return nxt
-
-    @property
-    def new_cycle(self) -> bool:
-        """The next backward starts a new cycle."""
-        return self.state is CycleState.IDLE
-
-
-# -- Gradient clipping by the global norm when every rank holds a slice of it ---
+# ----------------------------------------------------------------------------------------
+# Gradient clipping by the global norm when every rank holds a slice of it.
+#
+# Each rank sums ``|g|^p`` over the rows it owns and one all-reduce adds the partial
+# sums (the source documents' "all-reduce of local sums of squares"), so every rank
+# applies the same factor; a per-rank norm would scale each slice differently. Beside
+# tensor parallelism a second all-reduce adds the tp ranks' sums, a parameter every tp
+# rank holds whole counted on one of them (``unit/readout.norm_grads``): torch's own
+# ``clip_grad_norm_`` refuses FSDP2 + TP's parameters, which sit on two meshes.
+# ----------------------------------------------------------------------------------------
 
 def check_clip_args(max_norm, norm_type) -> None:
     """A ValueError naming a ``max_norm`` or ``norm_type`` that cannot be clipped by."""
@@ -267,7 +115,35 @@ def redirect_torch_clip(live_models) -> None:
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
-# -- Non-finite gradients ---
+# ----------------------------------------------------------------------------------------
+# Non-finite gradients: found once, agreed by every rank, acted on alike.
+#
+# A NaN or inf in one rank's local gradients reaches every rank through the reduction
+# (a sum with a NaN is NaN), so after it each rank's share of the reduced gradients says
+# whether the step is safe — but where a rank holds only its share (stages 1-3), it sees
+# only that share. One small exchange of a flag per rank makes the verdict global, so
+# every rank raises, skips or steps together; a verdict per rank would let the ranks'
+# weights drift apart for good.
+#
+# The verdict costs what it must and no more ([Note: the cost of the verdict]):
+#
+# - where the cycle's gradients were clipped, the global norm (already the same on every
+#   rank, ``clip.py``) is non-finite exactly when some gradient is: no scan, no exchange;
+# - where every rank holds the same averaged gradients (stage 0 without tensor
+#   parallelism: an all-reduce leaves the same bits on every rank), each rank scans them
+#   all and reaches the verdict every other rank reaches: no exchange;
+# - otherwise each rank scans its own rows and one exchange of a flag agrees.
+#
+# [Note: the cost of the verdict] The scan is one sum per tensor, as DeepSpeed's overflow
+# check (``_has_inf_or_nan``): a NaN or an inf in a tensor makes its sum non-finite, and a
+# sum of finite values overflows only past 3.4e38, where the tensor is then looked at
+# element by element before it is called non-finite. A sum reads each element once with
+# no temporary: 1.6 ms for the 10.6M gradients of GPT medium on one CPU thread, against
+# 33 ms for the infinity norm this replaced (which takes ``abs`` into a temporary first).
+# Exchanging the flag costs a small all-gather and a meeting of the ranks, about as much
+# again as scanning every row at stage 0, which is why stage 0 scans instead.
+# ``ZeroConfig.nonfinite`` picks the policy (``spec.config.NONFINITE_POLICIES``).
+# ----------------------------------------------------------------------------------------
 
 class NonFiniteGradients(FloatingPointError):
     """The reduced gradients of a step hold a NaN or an inf (``nonfinite="raise"``)."""
@@ -342,7 +218,20 @@ def verdict(units, comm, norm: torch.Tensor | None, step: int) -> str | None:
             "on every rank with nonfinite='skip' (zeroshard train --nonfinite skip)")
 
 
-# -- Which optimizers may step a shard, and how ---
+# ----------------------------------------------------------------------------------------
+# Which optimizers may step a shard, and how.
+#
+# ZeRO-1 and beyond give each rank some rows of every parameter. An elementwise update
+# (each element's new value depends only on that element's weight, gradient and state) is
+# exact on them: torch's own step runs on the rows (ZeRO paper, section 5.1). An update
+# that reads more is classified once per optimizer ([Note: optimizer needs] in
+# ``spec/optimizers.py``): sums over whole tensors (Adafactor, LAMB) are completed by one
+# small all-reduce a round (``reduced.py``); whole-matrix updates (Muon) are computed by
+# an owner per matrix (``matrix.py``). Either way the engine runs the step in the
+# optimizer's pre-hook with torch's own maths on the optimizer's own param groups and
+# state, and leaves its ``step()`` no gradient to act on. Anything else is refused: its
+# update would differ from the unsharded one, silently.
+# ----------------------------------------------------------------------------------------
 
 _warned: set[str] = set()
 
@@ -441,7 +330,26 @@ def register_for_step_hooks(model) -> None:
         _HOOKS.append(register_optimizer_step_post_hook(_post_step))
 
 
-# -- The step side of a sharded model ---
+# ----------------------------------------------------------------------------------------
+# The step side of a sharded model: gradients made final, clipped, checked for
+# non-finite values, handed to the optimizers, and the compute weights brought up to date
+# after them ([Note: the step cycle] in ``model.py``).
+#
+# :class:`Stepper` is one collaborator of the model, owning the step's state (which shards
+# the optimizers stepped this cycle, the clipped norm, a loss scaler's verdict, the step
+# counters); the optimizer's global hooks (``optim.py``), ``zero_grad``,
+# ``clip_grad_norm_`` and the loss scaler call its methods.
+#
+# [Note: several optimizers] A cycle's gradients may be stepped by several optimizers
+# over disjoint parameters (Muon for the matrices, AdamW for the rest). Each shard is
+# stepped once a cycle; a unit's compute weights are brought up to date (the all-gather
+# of stages 1-2, the cast of stages 0 and 3) as soon as every shard of it that has a
+# gradient was stepped, so the last optimizer's post-hook ends the cycle. Shards no
+# optimizer steps (an optimizer over part of the model) are settled by the next forward,
+# backward or ``zero_grad()``. The first optimizer of a cycle takes
+# the decisions that are the cycle's: the step begins, the gradients are final, the
+# non-finite check (one exchange) says whether every optimizer skips.
+# ----------------------------------------------------------------------------------------
 
 class Stepper:
     """Before and after the optimizer steps of one sharded model."""
@@ -454,12 +362,9 @@ class Stepper:
         self.drivers: dict[int, object] = {}  # optimizer id -> its sharded step, or None
         self.stepped: dict[int, object] = {}  # shard id -> the optimizer that stepped it
         self.refreshed: set[int] = set()  # units whose compute weights caught up this cycle
-        self.done = False  # this cycle's step ended: only optimizers with nothing left follow
-        self.passing: object | None = None  # an optimizer stepping nothing of this model
         self.cycle_norm: torch.Tensor | None = None  # the clipped norm of this cycle
         self.verdict: tuple[str, str] | None = None  # a loss scaler's: ("skip", why)
         self.loss_scaler = None  # the GradScaler made for the model, if any
-        self.steps = 0  # optimizer steps taken (skipped ones included), alike on every rank
         self.skipped_steps = 0  # steps skipped for non-finite gradients
         self.last_step_skipped = False
         self.disk_step = None  # disk offload: the streamed step (runtime/offload.py)
@@ -471,7 +376,6 @@ class Stepper:
         """A new backward changes the gradients: nothing decided about them still holds."""
         self.stepped.clear()
         self.refreshed.clear()
-        self.done = False
         self.cycle_norm = self.verdict = None
 
     def finalize_grads(self) -> None:
@@ -524,9 +428,7 @@ class Stepper:
                 "each shard's gradient is consumed by one optimizer step and freed after it. "
                 "Give each parameter to one optimizer (Muon for the matrices, AdamW for "
                 "the rest; param groups may differ in lr and weight decay)")
-        self.passing = None
-        if self.done and self.cycle.state is CycleState.IDLE and not any(
-                o is optimizer for o in self.stepped.values()):  # the cycle's step ended
+        if self._passes(optimizer):  # the cycle's step ended before this optimizer's
             late = next((n for n, s in self.named_shards if id(s) in ids
                          and s.grad is not None), None)
             if late is not None:
@@ -535,12 +437,11 @@ class Stepper:
                     "forward or zero_grad() came after the other optimizers' steps), with "
                     f"a gradient on {late!r} it never stepped; expected every optimizer's "
                     "step() right after backward, before the next forward")
-            self.passing = optimizer  # nothing of this model left for it to step
-            return
+            return  # nothing of this model left for it to step
         if self.cycle.state in (CycleState.BACKWARD, CycleState.STEP):
             self.cycle.advance("step_begin")  # refused, with what was expected
         first = self.cycle.state is not CycleState.PARTIAL
-        self.comm.phase = "step"
+        self.cycle.step_begins()
         if first:
             self.events.emit("step_begin", optimizer=optimizer)  # the landing counts in it
         self.finalize_grads()
@@ -570,7 +471,7 @@ class Stepper:
                 "scaler.update() — or mixed_precision='bf16'")
         if self.config.nonfinite == "ignore":
             return False
-        problem = verdict(self.units, self.comm, self.cycle_norm, self.steps + 1)
+        problem = verdict(self.units, self.comm, self.cycle_norm, self.cycle.steps + 1)
         if problem is not None and self.config.nonfinite == "raise":
             raise NonFiniteGradients(problem)
         return problem is not None
@@ -579,8 +480,7 @@ class Stepper:
         """The optimizer step's post-hook: the units whose every shard with a gradient
         has been stepped get their compute weights brought up to date; the cycle ends
         when all have ([Note: several optimizers])."""
-        if self.passing is optimizer:
-            self.passing = None
+        if self._passes(optimizer):
             return
         for s in _param_ids(optimizer, self.named_shards):
             self.stepped[id(s)] = optimizer
@@ -617,11 +517,14 @@ class Stepper:
         if prev is not None:
             prev.wait_sync()
 
+    def _passes(self, optimizer) -> bool:
+        """Whether ``optimizer`` steps nothing of this model: this cycle's step ended (the
+        cycle is idle again) before it stepped any shard ([Note: several optimizers])."""
+        return (self.cycle.stepped and self.cycle.state is CycleState.IDLE
+                and not any(o is optimizer for o in self.stepped.values()))
+
     def _end_cycle(self) -> None:
-        self.done = True
         self.cycle_norm = self.verdict = None
-        self.steps += 1
-        self.comm.step, self.comm.phase = self.steps, "between steps"
         self.events.emit("step_end")
 
 

@@ -1,138 +1,11 @@
-"""The lifecycle of a unit's full parameters, and what memory each state holds.
-
-A parameter's local tensor: the one helper every storage, shape and ``.grad`` access
-goes through, so a tensor-parallel parameter is handled exactly as a plain one.
-
-[Note: tensor-parallel parameters] After torch's ``parallelize_module`` a parameter is a
-DTensor ``nn.Parameter`` on the ``"tp"`` mesh: ``ColwiseParallel``'s weight is
-``Shard(0)``, ``RowwiseParallel``'s ``Shard(1)``, its bias and ``SequenceParallel``'s norms
-``Replicate()`` (``torch/distributed/tensor/parallel/style.py``). Autograd runs on the
-DTensor, while its values live in a plain *local tensor* (``_local_tensor``), this tp
-rank's slice. ZeRO shards that slice over the data-parallel ranks as it shards a plain
-parameter (FSDP2 does the same: ``_init_sharding_spec_tp`` in
-``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` returns
-``param._local_tensor`` for chunking), so a unit's layouts are over local shapes, its
-storages hold local slices, and its reductions move local gradients. For a plain tensor
-every function here is the identity.
-
-Shard layout of one unit: per-parameter dim-0 chunks packed into one flat slot.
-
-[Note: layout] Each parameter of d0 rows (0-d parameters count as one row of one) is
-cut on dim 0 into N chunks of c = ceil(d0/N) rows; rank r owns rows [r·c, r·c + c),
-of which ``real_rows(r)`` exist and the rest is padding. A rank's chunks of every
-parameter of the unit, in order, form its *slot* of S elements; all N slots side by
-side ([N, S], rank-major) are the all-gather output and the reduce-scatter input, so
-each pass moves one contiguous buffer per unit (the copy-in/copy-out scheme of FSDP2).
-
-Dim-0 chunks keep a parameter's trailing shape, so the optimizer's view of a shard is
-``[real_rows, *shape[1:]]``: ``p.dim()`` stays meaningful for param groups written
-for the unsharded model, and elementwise optimizers update each element exactly as
-they would unsharded.
-
-A full parameter lives in a padded storage of N·c rows viewed as ``[N, c·row]``, so a
-gathered ``[N, S]`` buffer is copied out in one ``split_with_sizes_copy``.
-
-A unit's storages, made once from the model's parameters at ``zs.shard`` time.
-
-Parameter by parameter, so a rank holds the unit once plus one parameter: each is copied
-into a padded storage of N·c rows (``layout.py``), this rank's rows of it are copied
-into the fp32 master where there is one, and the original goes. A tensor-parallel
-parameter is its local slice here ([Note: tensor-parallel parameters] in ``local.py``). The
-:class:`~zeroshard.runtime.unit.Unit` keeps what this returns; nothing else
-writes these fields.
-
-A unit's parameters as torch sees them: DTensors on the model's device mesh.
-
-[Note: DTensor layout] Rank r of a shard group of K ranks holds rows [r·c, r·c + c) of a
-parameter of d0 rows, c = ceil(d0 / K) (``layout.py``). That is exactly the local chunk
-of a DTensor ``Shard(0)``: torch.chunk's split, whose last chunks may be short or empty
-(d0 = 5 at K = 4: 2, 2, 1 and 0 rows; ``compute_local_shape_and_global_offset`` in
-``torch/distributed/tensor/_utils.py``). So this rank's rows under the full shape *are*
-a DTensor, with no copy and no collective:
-
-- ``Shard(0)`` on the mesh's ``"shard"`` dim where the unit shards the parameter (stages
-  1-3 for a trainable one, stage 3 for every one);
-- ``Replicate()`` there where every rank holds it whole (stage 0, a frozen parameter
-  below stage 3);
-- ``Replicate()`` on hybrid sharding's ``"replicate"`` dim: the replica groups hold the
-  same rows (``mesh.py``, [Note: hybrid sharding]).
-
-Beside tensor parallelism the mesh is the user's (``("dp", "tp")`` or ``("dp_replicate",
-"dp_shard", "tp")``; [Note: tensor-parallel mesh] in ``mesh.py``) and a parameter's
-placements gain its tp placement last; the data-parallel placement then cuts its local
-slice. Where tensor parallelism split dim 0 too (a column-parallel weight), rows of the
-local slice are not rows of the full tensor in order: the tp rank's block is cut on the
-dp dim, which DTensor writes ``_StridedShard(0, split_factor=tp)``, FSDP2's own placement
-for the same layout (``_init_sharding_spec_tp`` in
-``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``).
-
-A 0-d parameter counts as one row of one, as in the layout: its DTensor has shape
-``(1,)``, since a scalar cannot be chunked (``fully_shard`` refuses scalar parameters
-and asks for exactly this shape). hpZ's secondary copies are transient, kept from a
-forward for its backward, and never part of a state dict.
-
-Gradient arithmetic of a unit that needs none of its state: kept apart so that
-``unit.py`` holds the unit's fields and the methods that change them.
-
-How far one backward pass is with one unit: what still reads its full weights.
-
-[Note: partly frozen units] A unit's full weights are read in backward by every node
-that computes a gradient through them: of its trainable parameters, and of its inputs.
-When every parameter of a unit is trainable, the post-accumulate-grad hook of its last
-parameter comes after all of them (each node that reads a weight also produces that
-weight's gradient). A frozen weight breaks this: LoRA's base ``k_proj`` has no
-gradient of its own, yet its input gradient is computed from it, possibly after the
-adapters' last gradient has arrived — releasing the unit then leaves the node an
-emptied storage ("setStorage ... out of bounds for storage of size 0"). So a unit with
-frozen parameters also counts its forward calls whose inputs need a gradient, and each
-such call's input gradients as they are computed (an identity autograd function on the
-inputs, FSDP2's ``RegisterPostBackwardFunction`` in
-``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``); its weights are released when
-both are complete. A call whose inputs need no gradient (the first block under frozen
-embeddings) reads no weight in backward but for its trainable parameters' gradients.
-A unit whose module calls other units (the root: final norm, head and embeddings around
-the blocks) is read on the way to their gradients, not its inputs': with frozen
-parameters it is held until backward ends (peft's ``modules_to_save`` head trains there
-beside a frozen norm).
-
-What the module the user holds shows under a unit's parameter names.
-
-[Note: module view] At stage 3 a released unit's full parameters keep an empty storage:
-autograd's saved references to them must stay valid, so the storage object stays and
-the next gather refills it (``unit.py``). A tensor over an empty storage has a null
-data pointer, and reading one's values kills the process. So the module must not show
-them then: as FSDP2 registers its sharded DTensor parameters on the module at reshard
-and the unsharded ones at unshard (``FSDPParam.to_sharded`` / ``to_unsharded`` and
-``_setattr_on_modules`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), a
-unit whose parameters are released shows, under each name that registers one, this
-rank's rows of the compute weights as a ``Shard(0)`` DTensor parameter of the full shape
-(``dtensor.py``), and its full parameters from its gather to its release. Whatever walks
-the module between forwards (``state_dict()``, ``named_parameters()``, ``save_pretrained``)
-then reads this rank's values, or the full ones through ``p.full_tensor()`` (a
-collective), never an empty tensor.
-
-The DTensors are views of the weight shard, made once; a swap is one dict write per
-registration, as FSDP2's ``unsafe_setattr_param``. Nothing is allocated or copied, so
-the engine's memory and speed are unchanged. Units whose parameters stay whole (stages
-0-2, the persistent unit of stage 3) always show the full parameters.
-
-A unit: the parameters gathered together and reduced together.
-
-One code path for every stage; what differs is asked of the unit's ``ShardPolicy``
-(stage 0 is a shard group of one for the optimizer state). Every field is declared in
-:meth:`Unit.__init__` and changed only by the unit's own methods, which the reducer,
-the prefetcher, the step and the offload stream call (the rest is read through
-``readout.py``); its collectives in flight are the comm context's (``schedule.py``).
-
-What the rest of the engine reads off a unit, without changing it: the bytes it
-holds by ledger category (:func:`memory`, :func:`host_bytes`, :func:`disk_bytes`,
-:func:`buffers_in_flight`; :func:`measure` for a list of units), the rows this rank
-holds of each parameter (:func:`held_rows`, for state dicts and checkpoints), the
-gradient rows it counts in a global norm (:func:`norm_grads`, for clipping and the
-non-finite check), its local gradients packed for a reduction (:func:`local_grads`)
-and the full values (:func:`full_tensors`). The model's readout,
-clipping, checkpoints and the profiler read a unit through these alone.
+"""A unit: the parameters gathered together and reduced together. Everything about
+one unit lives here: the lifecycle of its full parameters, a parameter's local
+tensor beside tensor parallelism, the dim-0 layout of its flat slots, its storages,
+its parameters as DTensors, its gradient arithmetic, how far a backward is with it,
+what the module shows under its names, the :class:`Unit` that owns its state, and
+what the rest of the engine reads off it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -154,7 +27,9 @@ from .events import Events
 from .ledger import CATEGORIES, optimizer_state_bytes, tensor_bytes
 from .offload import place_on_disk
 
-# -- The lifecycle of a unit's full parameters, and what memory each state holds ---
+# ----------------------------------------------------------------------------------------
+# The lifecycle of a unit's full parameters, and what memory each state holds.
+# ----------------------------------------------------------------------------------------
 
 class UnitState(enum.Enum):
     """What a unit's full parameters hold."""
@@ -170,7 +45,22 @@ class UnitState(enum.Enum):
     the unit's gather before forward (or backward) to its release after it."""
 
 
-# -- A parameter's local tensor ---
+# ----------------------------------------------------------------------------------------
+# A parameter's local tensor: the one helper every storage, shape and ``.grad`` access
+# goes through, so a tensor-parallel parameter is handled exactly as a plain one.
+#
+# [Note: tensor-parallel parameters] After torch's ``parallelize_module`` a parameter is a
+# DTensor ``nn.Parameter`` on the ``"tp"`` mesh: ``ColwiseParallel``'s weight is
+# ``Shard(0)``, ``RowwiseParallel``'s ``Shard(1)``, its bias and ``SequenceParallel``'s norms
+# ``Replicate()`` (``torch/distributed/tensor/parallel/style.py``). Autograd runs on the
+# DTensor, while its values live in a plain *local tensor* (``_local_tensor``), this tp
+# rank's slice. ZeRO shards that slice over the data-parallel ranks as it shards a plain
+# parameter (FSDP2 does the same: ``_init_sharding_spec_tp`` in
+# ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py`` returns
+# ``param._local_tensor`` for chunking), so a unit's layouts are over local shapes, its
+# storages hold local slices, and its reductions move local gradients. For a plain tensor
+# every function here is the identity.
+# ----------------------------------------------------------------------------------------
 
 def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
@@ -244,7 +134,24 @@ def tp_dim(p: torch.Tensor) -> int | None:
     return placement.dim if placement.is_shard() else None
 
 
-# -- Shard layout of one unit ---
+# ----------------------------------------------------------------------------------------
+# Shard layout of one unit: per-parameter dim-0 chunks packed into one flat slot.
+#
+# [Note: layout] Each parameter of d0 rows (0-d parameters count as one row of one) is
+# cut on dim 0 into N chunks of c = ceil(d0/N) rows; rank r owns rows [r·c, r·c + c),
+# of which ``real_rows(r)`` exist and the rest is padding. A rank's chunks of every
+# parameter of the unit, in order, form its *slot* of S elements; all N slots side by
+# side ([N, S], rank-major) are the all-gather output and the reduce-scatter input, so
+# each pass moves one contiguous buffer per unit (the copy-in/copy-out scheme of FSDP2).
+#
+# Dim-0 chunks keep a parameter's trailing shape, so the optimizer's view of a shard is
+# ``[real_rows, *shape[1:]]``: ``p.dim()`` stays meaningful for param groups written
+# for the unsharded model, and elementwise optimizers update each element exactly as
+# they would unsharded.
+#
+# A full parameter lives in a padded storage of N·c rows viewed as ``[N, c·row]``, so a
+# gathered ``[N, S]`` buffer is copied out in one ``split_with_sizes_copy``.
+# ----------------------------------------------------------------------------------------
 
 def dim0_chunk(rows: int, rank: int, world: int) -> tuple[int, int]:
     """Rows ``[a, b)`` of a parameter of ``rows`` rows that ``rank`` of ``world`` owns:
@@ -346,7 +253,16 @@ class ShardLayout:
                 for s in self.slots]
 
 
-# -- A unit's storages, made once from the model's parameters at ``zs.shard`` time ---
+# ----------------------------------------------------------------------------------------
+# A unit's storages, made once from the model's parameters at ``zs.shard`` time.
+#
+# Parameter by parameter, so a rank holds the unit once plus one parameter: each is copied
+# into a padded storage of N·c rows (``layout.py``), this rank's rows of it are copied
+# into the fp32 master where there is one, and the original goes. A tensor-parallel
+# parameter is its local slice here ([Note: tensor-parallel parameters] in ``local.py``). The
+# :class:`~zeroshard.runtime.unit.Unit` keeps what this returns; nothing else
+# writes these fields.
+# ----------------------------------------------------------------------------------------
 
 class Storages(NamedTuple):
     padded: list[torch.Tensor]
@@ -426,7 +342,37 @@ def optimizer_views(params: list[nn.Parameter], trainable: list[int], w_layout: 
     return [nn.Parameter(v, requires_grad=p.requires_grad) for v, p in zip(views, params)]
 
 
-# -- A unit's parameters as torch sees them ---
+# ----------------------------------------------------------------------------------------
+# A unit's parameters as torch sees them: DTensors on the model's device mesh.
+#
+# [Note: DTensor layout] Rank r of a shard group of K ranks holds rows [r·c, r·c + c) of a
+# parameter of d0 rows, c = ceil(d0 / K) (``layout.py``). That is exactly the local chunk
+# of a DTensor ``Shard(0)``: torch.chunk's split, whose last chunks may be short or empty
+# (d0 = 5 at K = 4: 2, 2, 1 and 0 rows; ``compute_local_shape_and_global_offset`` in
+# ``torch/distributed/tensor/_utils.py``). So this rank's rows under the full shape *are*
+# a DTensor, with no copy and no collective:
+#
+# - ``Shard(0)`` on the mesh's ``"shard"`` dim where the unit shards the parameter (stages
+#   1-3 for a trainable one, stage 3 for every one);
+# - ``Replicate()`` there where every rank holds it whole (stage 0, a frozen parameter
+#   below stage 3);
+# - ``Replicate()`` on hybrid sharding's ``"replicate"`` dim: the replica groups hold the
+#   same rows (``mesh.py``, [Note: hybrid sharding]).
+#
+# Beside tensor parallelism the mesh is the user's (``("dp", "tp")`` or ``("dp_replicate",
+# "dp_shard", "tp")``; [Note: tensor-parallel mesh] in ``mesh.py``) and a parameter's
+# placements gain its tp placement last; the data-parallel placement then cuts its local
+# slice. Where tensor parallelism split dim 0 too (a column-parallel weight), rows of the
+# local slice are not rows of the full tensor in order: the tp rank's block is cut on the
+# dp dim, which DTensor writes ``_StridedShard(0, split_factor=tp)``, FSDP2's own placement
+# for the same layout (``_init_sharding_spec_tp`` in
+# ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``).
+#
+# A 0-d parameter counts as one row of one, as in the layout: its DTensor has shape
+# ``(1,)``, since a scalar cannot be chunked (``fully_shard`` refuses scalar parameters
+# and asks for exactly this shape). hpZ's secondary copies are transient, kept from a
+# forward for its backward, and never part of a state dict.
+# ----------------------------------------------------------------------------------------
 
 def rows_shape(shape) -> tuple[int, ...]:
     """The full shape a DTensor of a parameter of ``shape`` has: ``(1,)`` for a 0-d one."""
@@ -545,7 +491,10 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-# -- Gradient arithmetic of a unit that needs none of its state ---
+# ----------------------------------------------------------------------------------------
+# Gradient arithmetic of a unit that needs none of its state: kept apart so that
+# ``unit.py`` holds the unit's fields and the methods that change them.
+# ----------------------------------------------------------------------------------------
 
 def averaged_grads(summed: torch.Tensor, present: list[bool], r_layout: ShardLayout,
                    n: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
@@ -572,7 +521,28 @@ def averaged_grads(summed: torch.Tensor, present: list[bool], r_layout: ShardLay
     return out
 
 
-# -- How far one backward pass is with one unit ---
+# ----------------------------------------------------------------------------------------
+# How far one backward pass is with one unit: what still reads its full weights.
+#
+# [Note: partly frozen units] A unit's full weights are read in backward by every node
+# that computes a gradient through them: of its trainable parameters, and of its inputs.
+# When every parameter of a unit is trainable, the post-accumulate-grad hook of its last
+# parameter comes after all of them (each node that reads a weight also produces that
+# weight's gradient). A frozen weight breaks this: LoRA's base ``k_proj`` has no
+# gradient of its own, yet its input gradient is computed from it, possibly after the
+# adapters' last gradient has arrived — releasing the unit then leaves the node an
+# emptied storage ("setStorage ... out of bounds for storage of size 0"). So a unit with
+# frozen parameters also counts its forward calls whose inputs need a gradient, and each
+# such call's input gradients as they are computed (an identity autograd function on the
+# inputs, FSDP2's ``RegisterPostBackwardFunction`` in
+# ``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``); its weights are released when
+# both are complete. A call whose inputs need no gradient (the first block under frozen
+# embeddings) reads no weight in backward but for its trainable parameters' gradients.
+# A unit whose module calls other units (the root: final norm, head and embeddings around
+# the blocks) is read on the way to their gradients, not its inputs': with frozen
+# parameters it is held until backward ends (peft's ``modules_to_save`` head trains there
+# beside a frozen norm).
+# ----------------------------------------------------------------------------------------
 
 class BackwardProgress:
     """Counts of one unit in the current backward (its fields change only here)."""
@@ -618,7 +588,28 @@ class BackwardProgress:
         return not self.to_the_end and self.grads <= 0 and self.inputs_done >= self.calls
 
 
-# -- What the module the user holds shows under a unit's parameter names ---
+# ----------------------------------------------------------------------------------------
+# What the module the user holds shows under a unit's parameter names.
+#
+# [Note: module view] At stage 3 a released unit's full parameters keep an empty storage:
+# autograd's saved references to them must stay valid, so the storage object stays and
+# the next gather refills it (``unit.py``). A tensor over an empty storage has a null
+# data pointer, and reading one's values kills the process. So the module must not show
+# them then: as FSDP2 registers its sharded DTensor parameters on the module at reshard
+# and the unsharded ones at unshard (``FSDPParam.to_sharded`` / ``to_unsharded`` and
+# ``_setattr_on_modules`` in ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``), a
+# unit whose parameters are released shows, under each name that registers one, this
+# rank's rows of the compute weights as a ``Shard(0)`` DTensor parameter of the full shape
+# (``dtensor.py``), and its full parameters from its gather to its release. Whatever walks
+# the module between forwards (``state_dict()``, ``named_parameters()``, ``save_pretrained``)
+# then reads this rank's values, or the full ones through ``p.full_tensor()`` (a
+# collective), never an empty tensor.
+#
+# The DTensors are views of the weight shard, made once; a swap is one dict write per
+# registration, as FSDP2's ``unsafe_setattr_param``. Nothing is allocated or copied, so
+# the engine's memory and speed are unchanged. Units whose parameters stay whole (stages
+# 0-2, the persistent unit of stage 3) always show the full parameters.
+# ----------------------------------------------------------------------------------------
 
 class ModuleView:
     """The registrations of one unit's parameters on the module, and what they show."""
@@ -652,7 +643,15 @@ def _plain(module: nn.Module) -> bool:
     return getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__
 
 
-# -- A unit ---
+# ----------------------------------------------------------------------------------------
+# A unit: the parameters gathered together and reduced together.
+#
+# One code path for every stage; what differs is asked of the unit's ``ShardPolicy``
+# (stage 0 is a shard group of one for the optimizer state). Every field is declared in
+# :meth:`Unit.__init__` and changed only by the unit's own methods, which the reducer,
+# the prefetcher, the step and the offload stream call (the rest is read through
+# ``readout.py``); its collectives in flight are the comm context's (``schedule.py``).
+# ----------------------------------------------------------------------------------------
 
 class Unit:
     """Shards, gradients and collectives of one group of parameters."""
@@ -947,7 +946,16 @@ class Unit:
                                             out=[t[rows] for t in full])
 
 
-# -- What the rest of the engine reads off a unit, without changing it ---
+# ----------------------------------------------------------------------------------------
+# What the rest of the engine reads off a unit, without changing it: the bytes it
+# holds by ledger category (:func:`memory`, :func:`host_bytes`, :func:`disk_bytes`,
+# :func:`buffers_in_flight`; :func:`measure` for a list of units), the rows this rank
+# holds of each parameter (:func:`held_rows`, for state dicts and checkpoints), the
+# gradient rows it counts in a global norm (:func:`norm_grads`, for clipping and the
+# non-finite check), its local gradients packed for a reduction (:func:`local_grads`)
+# and the full values (:func:`full_tensors`). The model's readout,
+# clipping, checkpoints and the profiler read a unit through these alone.
+# ----------------------------------------------------------------------------------------
 
 def held_rows(unit, i: int) -> tuple[torch.Tensor, int]:
     """The tensor this rank reads and writes parameter ``i``'s values through, and the

@@ -18,6 +18,7 @@ out writes where it is into the rendezvous store and gives the others a few seco
 do the same; the ranks that never answer are the silent ones, and the error names them,
 what this rank was waiting for and how to raise the timeout.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-PHASES = ("setting up", "forward", "backward", "step", "between steps")
+from .cycle import PHASES
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "check", "owner_gather",
          "owner_scatter")
 #: Fingerprint fields, in order (int64 each); ``value`` is ``agree``'s payload, the one
@@ -47,7 +49,8 @@ class CollectiveTimeout(RuntimeError):
 def fingerprint(comm, kind: str, unit, numel: int, value: int = 0) -> torch.Tensor:
     """This rank's fingerprint of the collective it is about to issue."""
     first = unit[0] if isinstance(unit, (list, tuple)) else unit
-    return torch.tensor([comm.seq, comm.step, PHASES.index(comm.phase), KINDS.index(kind),
+    cycle = comm.cycle
+    return torch.tensor([comm.seq, cycle.steps, PHASES.index(cycle.phase), KINDS.index(kind),
                          -1 if first is None else first, numel, value], dtype=torch.int64)
 
 

@@ -1,73 +1,8 @@
-"""What the engine's own optimizer steps (``reduced.py``, ``matrix.py``) read off the
-model: each shard an optimizer holds with the full parameter's shape and the first full
-row this rank holds, and the one all-reduce that completes sums over rows.
-
-The engine's step for optimizers whose update reads sums over whole tensors
-(``Need.REDUCTIONS`` in ``spec/optimizers.py``): torch's Adafactor and zeroshard's LAMB.
-
-Each such sum (a norm, a column statistic, a mean over rows) is a sum over rows. Every
-rank adds up its own rows in fp64 and one all-reduce over the shard group, of every
-parameter's partial sums concatenated, gives every rank the whole tensors' sums
-(``rows.sum_over_ranks``); everything else is the optimizer's own elementwise maths on
-the rows. The state stays in the optimizer, under torch's keys, for the rows this rank
-holds (Adafactor's column statistic of a matrix spans every row, so each rank keeps it
-whole, the same on every rank).
-
-**Adafactor** (Shazeer and Stern, 2018; torch's ``_single_tensor_adafactor``, step by
-step). For a parameter x of n elements with gradient G, at step t, ρ = min(lr, 1/√t),
-β̂ = t^beta2_decay:
-
-1. rows alone: R <- lerp(R, mean_j G², β̂) per row (``row_var``); partial sums of
-   ``x²``, of ``G²`` down each column, and of R;
-2. round one, all-reduced: α = max(eps2, ||x||/√n)·ρ; weight decay; the column means
-   C <- lerp(C, Σ_i G²/rows, β̂) (``col_var``, whole); V = R·C / mean(R) on the rows,
-   U = G / √max(V, eps1²), and U's partial sum of squares;
-3. round two, all-reduced: x <- x - α / max(1, ||U||/(√n·d)) · U.
-
-The second round reads the column statistics the first completes, so Adafactor takes
-two all-reduces a step. A tensor of three or more dimensions factors its last two, and
-dim 0 (the sharded one) is neither: its statistics are all on the rows. A vector keeps
-a per-element ``variance``, and needs only the two norms.
-
-**LAMB** (``zeroshard/optim/lamb.py``): the moments and the update direction u on the
-rows, then one all-reduce of the partial sums of x² and u², and x <- x - lr·||x||/||u||·u.
-
-The sums are fp64 and in another order than torch's, so the update matches the
-unsharded one to rounding (measured within 1e-6 after 20 steps), not bit for bit.
-
-The engine's step for an optimizer whose update needs each whole matrix
-(``Need.WHOLE_MATRIX`` in ``spec/optimizers.py``): torch's Muon, by owner computes.
-
-Muon (Jordan et al., 2024; torch's ``_single_tensor_muon``), per matrix W with gradient
-G, momentum μ, step by step::
-
-    B <- lerp(B, G, 1 - μ)                         # momentum buffer: elementwise
-    M <- lerp(G, B, μ) if nesterov else B          # elementwise
-    O <- NewtonSchulz(M)                           # the whole matrix
-    W <- W·(1 - lr·wd) - lr·adjust(shape)·O         # elementwise, O's rows
-
-Only O needs the whole matrix. So every rank updates the momentum of its own rows (the
-state stays row-sharded, under torch's key ``momentum_buffer``: checkpoints reshard it
-like Adam's), and the orthogonalisation is computed once per matrix by its **owner**:
-
-1. owners: ``spec.optimizers.assign_owners`` spreads the matrices over the shard group,
-   the costliest Newton-Schulz first to the least loaded rank (the same answer on every
-   rank, and in the planner);
-2. ``owner_gather``: one all-to-all sends each owner every rank's rows of M for the
-   matrices it owns (this rank's own rows stay put);
-3. the owner runs torch's ``_zeropower_via_newtonschulz`` on the whole matrix: the very
-   function, on the very matrix, of the unsharded step, so O is the same bits;
-4. ``owner_scatter``: a second all-to-all sends each rank its rows of O (bf16, the
-   dtype torch's iteration returns), and every rank applies weight decay and O to its
-   rows with torch's learning-rate adjustment for the *full* shape.
-
-Two all-to-alls a step, whatever the number of matrices; the bytes each rank sends are
-its rows of the matrices others own, and, for those it owns, the other ranks' rows of O
-(``spec.optimizers.owner_bytes``, which the planner uses and the ledger measures). The
-owner holds the whole input and result of the matrices it owns for the step (transient).
-Where the optimizer state is offloaded, the iteration runs on the host, where the rows
-are; the all-to-alls run on the device the collectives use.
+"""Optimizers whose step is not elementwise, stepped by the engine on each rank's rows:
+an optimizer's shards with their full shapes, Adafactor's and LAMB's whole-tensor sums
+all-reduced, Muon's whole matrices orthogonalised by an owner.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,7 +14,11 @@ from ..optim.lamb import lamb_apply, lamb_directions
 from ..spec.optimizers import assign_owners
 from .unit import dim0_chunk
 
-# -- What the engine's own optimizer steps (``reduced.py``, ``matrix.py``) read off t ---
+# ----------------------------------------------------------------------------------------
+# What the engine's own optimizer steps (``reduced.py``, ``matrix.py``) read off the
+# model: each shard an optimizer holds with the full parameter's shape and the first full
+# row this rank holds, and the one all-reduce that completes sums over rows.
+# ----------------------------------------------------------------------------------------
 
 class Rows(NamedTuple):
     """One parameter of an optimizer, as this rank holds it."""
@@ -147,7 +86,40 @@ def sum_over_ranks(comm, parts: list[torch.Tensor], device) -> list[torch.Tensor
     return out
 
 
-# -- The engine's step for optimizers whose update reads sums over whole tensors ---
+# ----------------------------------------------------------------------------------------
+# The engine's step for optimizers whose update reads sums over whole tensors
+# (``Need.REDUCTIONS`` in ``spec/optimizers.py``): torch's Adafactor and zeroshard's LAMB.
+#
+# Each such sum (a norm, a column statistic, a mean over rows) is a sum over rows. Every
+# rank adds up its own rows in fp64 and one all-reduce over the shard group, of every
+# parameter's partial sums concatenated, gives every rank the whole tensors' sums
+# (``rows.sum_over_ranks``); everything else is the optimizer's own elementwise maths on
+# the rows. The state stays in the optimizer, under torch's keys, for the rows this rank
+# holds (Adafactor's column statistic of a matrix spans every row, so each rank keeps it
+# whole, the same on every rank).
+#
+# **Adafactor** (Shazeer and Stern, 2018; torch's ``_single_tensor_adafactor``, step by
+# step). For a parameter x of n elements with gradient G, at step t, ρ = min(lr, 1/√t),
+# β̂ = t^beta2_decay:
+#
+# 1. rows alone: R <- lerp(R, mean_j G², β̂) per row (``row_var``); partial sums of
+#    ``x²``, of ``G²`` down each column, and of R;
+# 2. round one, all-reduced: α = max(eps2, ||x||/√n)·ρ; weight decay; the column means
+#    C <- lerp(C, Σ_i G²/rows, β̂) (``col_var``, whole); V = R·C / mean(R) on the rows,
+#    U = G / √max(V, eps1²), and U's partial sum of squares;
+# 3. round two, all-reduced: x <- x - α / max(1, ||U||/(√n·d)) · U.
+#
+# The second round reads the column statistics the first completes, so Adafactor takes
+# two all-reduces a step. A tensor of three or more dimensions factors its last two, and
+# dim 0 (the sharded one) is neither: its statistics are all on the rows. A vector keeps
+# a per-element ``variance``, and needs only the two norms.
+#
+# **LAMB** (``zeroshard/optim/lamb.py``): the moments and the update direction u on the
+# rows, then one all-reduce of the partial sums of x² and u², and x <- x - lr·||x||/||u||·u.
+#
+# The sums are fp64 and in another order than torch's, so the update matches the
+# unsharded one to rounding (measured within 1e-6 after 20 steps), not bit for bit.
+# ----------------------------------------------------------------------------------------
 
 def _scalar(value) -> float:
     return value.item() if torch.is_tensor(value) else float(value)
@@ -269,7 +241,40 @@ class ReducedStep:
         return update.double().square().sum()
 
 
-# -- The engine's step for an optimizer whose update needs each whole matrix ---
+# ----------------------------------------------------------------------------------------
+# The engine's step for an optimizer whose update needs each whole matrix
+# (``Need.WHOLE_MATRIX`` in ``spec/optimizers.py``): torch's Muon, by owner computes.
+#
+# Muon (Jordan et al., 2024; torch's ``_single_tensor_muon``), per matrix W with gradient
+# G, momentum μ, step by step::
+#
+#     B <- lerp(B, G, 1 - μ)                         # momentum buffer: elementwise
+#     M <- lerp(G, B, μ) if nesterov else B          # elementwise
+#     O <- NewtonSchulz(M)                           # the whole matrix
+#     W <- W·(1 - lr·wd) - lr·adjust(shape)·O         # elementwise, O's rows
+#
+# Only O needs the whole matrix. So every rank updates the momentum of its own rows (the
+# state stays row-sharded, under torch's key ``momentum_buffer``: checkpoints reshard it
+# like Adam's), and the orthogonalisation is computed once per matrix by its **owner**:
+#
+# 1. owners: ``spec.optimizers.assign_owners`` spreads the matrices over the shard group,
+#    the costliest Newton-Schulz first to the least loaded rank (the same answer on every
+#    rank, and in the planner);
+# 2. ``owner_gather``: one all-to-all sends each owner every rank's rows of M for the
+#    matrices it owns (this rank's own rows stay put);
+# 3. the owner runs torch's ``_zeropower_via_newtonschulz`` on the whole matrix: the very
+#    function, on the very matrix, of the unsharded step, so O is the same bits;
+# 4. ``owner_scatter``: a second all-to-all sends each rank its rows of O (bf16, the
+#    dtype torch's iteration returns), and every rank applies weight decay and O to its
+#    rows with torch's learning-rate adjustment for the *full* shape.
+#
+# Two all-to-alls a step, whatever the number of matrices; the bytes each rank sends are
+# its rows of the matrices others own, and, for those it owns, the other ranks' rows of O
+# (``spec.optimizers.owner_bytes``, which the planner uses and the ledger measures). The
+# owner holds the whole input and result of the matrices it owns for the step (transient).
+# Where the optimizer state is offloaded, the iteration runs on the host, where the rows
+# are; the all-to-alls run on the device the collectives use.
+# ----------------------------------------------------------------------------------------
 
 try:  # torch >= 2.9; private, but it is the maths torch's Muon runs
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz

@@ -1,49 +1,7 @@
-"""The module the user holds, used as a plain module: loading through it, and saving it
-with Hugging Face's ``save_pretrained`` ([Note: module view] in ``unit.py`` for
-what it shows between forwards).
-
-Loading. torch's ``Module.load_state_dict`` copies each value into the tensor the
-module registers: at stages 0-2 the full compute weights, which the next step
-overwrites from the master where there is one (mixed precision); at stage 3 a DTensor of
-this rank's compute rows, whose copy from a plain tensor torch refuses. Neither reaches
-the master. So every module of the
-tree gets a load pre-hook that writes its own parameters' values where the model holds
-them (the master rows: a DTensor, the full tensor or this rank's rows, as
-``model.load_state_dict`` takes them) and hands torch's copy the registered tensor
-itself, a copy onto itself; the post-hook of the module the load began at then brings
-the compute weights of the units it wrote up to date, once (an all-gather per unit at
-stages 1-2: every rank loads, as with DDP). A value of another shape is left to torch,
-which reports the size mismatch as it always does.
-
-Saving. safetensors cannot write a DTensor: ``save_pretrained`` on a module holding
-released parameters would fail deep inside ("Attempted to access the data pointer on an
-invalid python storage"), after writing its config. Such a module's ``save_pretrained``
-refuses up front instead, naming how to write the full weights.
-
-peft's calls on a sharded model: what works, what is refused, and why.
-
-A LoRA model (``peft.get_peft_model``) is sharded like any other: its frozen base and
-its adapters sit in the same units, the base sharded at stage 3 and the adapters
-trained (``unit.py``). peft's own methods then meet a module whose weights are
-this rank's rows (stage 3), or the compute copies of a master kept elsewhere (mixed
-precision), so each call that reads or changes weights is answered here, on the
-instance (as the guard answers ``save_pretrained``, ``guard.py``):
-
-- ``save_pretrained(dir)`` writes the adapter only, in peft's files, with the values
-  the optimizer holds: every rank calls it (a collective where the adapter is sharded)
-  and rank 0 writes (``is_main_process``, as peft takes it). peft picks the tensors
-  (``get_peft_model_state_dict`` in ``peft/utils/save_and_load.py``, asked over
-  placeholders so nothing is gathered twice); only those are gathered. A
-  ``state_dict=`` given is written as it is.
-- ``merge_and_unload()`` and ``unload()`` return a new, whole, unsharded model on every
-  rank (a collective): the full weights go into a copy of the module, which peft then
-  merges (``BaseTuner._unload_and_optionally_merge``); the sharded model is left as it
-  was and trains on.
-- ``add_adapter``, ``load_adapter``, ``delete_adapter``: refused, since the engine took
-  the parameters once, at ``zs.shard``; ``set_adapter`` works unless it would train
-  a parameter the engine holds frozen. ``merge_adapter``/``unmerge_adapter`` at stage 3
-  are refused (they write the base weights in place, which are rows there).
+"""The module inside a sharded model, used as the plain module it was: loading and
+saving through it, and peft's calls on it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -59,7 +17,29 @@ from torch.distributed.tensor import DTensor
 from .dtensor import owners
 from .unit import held, local_rows
 
-# -- The module the user holds, used as a plain module ---
+# ----------------------------------------------------------------------------------------
+# The module the user holds, used as a plain module: loading through it, and saving it
+# with Hugging Face's ``save_pretrained`` ([Note: module view] in ``unit.py`` for
+# what it shows between forwards).
+#
+# Loading. torch's ``Module.load_state_dict`` copies each value into the tensor the
+# module registers: at stages 0-2 the full compute weights, which the next step
+# overwrites from the master where there is one (mixed precision); at stage 3 a DTensor of
+# this rank's compute rows, whose copy from a plain tensor torch refuses. Neither reaches
+# the master. So every module of the
+# tree gets a load pre-hook that writes its own parameters' values where the model holds
+# them (the master rows: a DTensor, the full tensor or this rank's rows, as
+# ``model.load_state_dict`` takes them) and hands torch's copy the registered tensor
+# itself, a copy onto itself; the post-hook of the module the load began at then brings
+# the compute weights of the units it wrote up to date, once (an all-gather per unit at
+# stages 1-2: every rank loads, as with DDP). A value of another shape is left to torch,
+# which reports the size mismatch as it always does.
+#
+# Saving. safetensors cannot write a DTensor: ``save_pretrained`` on a module holding
+# released parameters would fail deep inside ("Attempted to access the data pointer on an
+# invalid python storage"), after writing its config. Such a module's ``save_pretrained``
+# refuses up front instead, naming how to write the full weights.
+# ----------------------------------------------------------------------------------------
 
 class ModuleGuard:
     """Load hooks on every module of one sharded model, and ``save_pretrained`` guards."""
@@ -135,7 +115,31 @@ def _remove(handles: list) -> None:
         h.remove()
 
 
-# -- peft's calls on a sharded model ---
+# ----------------------------------------------------------------------------------------
+# peft's calls on a sharded model: what works, what is refused, and why.
+#
+# A LoRA model (``peft.get_peft_model``) is sharded like any other: its frozen base and
+# its adapters sit in the same units, the base sharded at stage 3 and the adapters
+# trained (``unit.py``). peft's own methods then meet a module whose weights are
+# this rank's rows (stage 3), or the compute copies of a master kept elsewhere (mixed
+# precision), so each call that reads or changes weights is answered here, on the
+# instance (as the guard answers ``save_pretrained``, ``guard.py``):
+#
+# - ``save_pretrained(dir)`` writes the adapter only, in peft's files, with the values
+#   the optimizer holds: every rank calls it (a collective where the adapter is sharded)
+#   and rank 0 writes (``is_main_process``, as peft takes it). peft picks the tensors
+#   (``get_peft_model_state_dict`` in ``peft/utils/save_and_load.py``, asked over
+#   placeholders so nothing is gathered twice); only those are gathered. A
+#   ``state_dict=`` given is written as it is.
+# - ``merge_and_unload()`` and ``unload()`` return a new, whole, unsharded model on every
+#   rank (a collective): the full weights go into a copy of the module, which peft then
+#   merges (``BaseTuner._unload_and_optionally_merge``); the sharded model is left as it
+#   was and trains on.
+# - ``add_adapter``, ``load_adapter``, ``delete_adapter``: refused, since the engine took
+#   the parameters once, at ``zs.shard``; ``set_adapter`` works unless it would train
+#   a parameter the engine holds frozen. ``merge_adapter``/``unmerge_adapter`` at stage 3
+#   are refused (they write the base weights in place, which are rows there).
+# ----------------------------------------------------------------------------------------
 
 #: Module hook dictionaries a copy of the module must not keep the engine's hooks in.
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_load_state_dict_pre_hooks",
