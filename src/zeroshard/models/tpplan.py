@@ -75,33 +75,3 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
                          f"{type(model).__name__}; expected a model whose config has a "
                          "base_model_tp_plan (Llama, Mistral, Qwen2, ...), or --tp 1")
     return plan
-
-
-def device_mesh(tp: int, shard_group=None):
-    """The mesh of ``zs.shard(..., mesh=)`` over every rank for tensor parallelism of
-    degree ``tp`` (consecutive ranks, a node's): ``("dp", "tp")``, or with a shard group
-    of K data-parallel ranks (``"node"``: a node's ranks over tp)
-    ``("dp_replicate", "dp_shard", "tp")``."""
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ..runtime.dist import default_device
-
-    world = dist.get_world_size()
-    device = default_device().type
-    if world % tp:
-        raise ValueError(f"--tp {tp} does not divide the {world} ranks; expected one of "
-                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
-    dp = world // tp
-    if shard_group is None:
-        return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
-    k = int(os.environ.get("LOCAL_WORLD_SIZE", world)) // tp if shard_group == "node" else \
-        shard_group
-    if not isinstance(k, int) or k < 1 or dp % k:
-        raise ValueError(f"shard_group={shard_group!r} with --tp {tp}: shard groups of {k} "
-                         f"data-parallel ranks do not divide the {dp}; expected one of "
-                         f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
-    return init_device_mesh(device, (dp // k, k, tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))

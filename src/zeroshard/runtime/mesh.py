@@ -148,11 +148,17 @@ class Mesh:
                                      mesh_dim_names=("replicate", "shard"))
 
 
+def node_ranks(dp_world: int, tp: int = 1) -> int:
+    """The data-parallel ranks of one machine: ``shard_group="node"`` resolved, here only
+    (the launcher's ``LOCAL_WORLD_SIZE`` ranks per node, over tensor parallelism's tp)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dp_world * tp)) // tp
+
+
 def shard_size(spec, dp_world: int) -> int | None:
     """K for ``ZeroConfig.shard_group`` at ``dp_world`` ranks: "node" is the ranks per
     machine, a DeviceMesh its "shard" dim; ``ParallelDims`` checks that K divides N."""
     if spec == "node":
-        return int(os.environ.get("LOCAL_WORLD_SIZE", dp_world))
+        return node_ranks(dp_world)
     if _is_mesh(spec):
         names = tuple(spec.mesh_dim_names or ())
         if names != ("replicate", "shard"):
@@ -334,3 +340,27 @@ def check_tp_params(module, mesh) -> None:
             raise ValueError(f"tp={tp} does not divide dim {placement.dim} of parameter "
                              f"{name!r} ({tuple(p.shape)}); expected a tp degree dividing "
                              f"{p.shape[placement.dim]}")
+
+
+def tensor_parallel_mesh(tp: int, shard_group=None):
+    """The ``DeviceMesh`` ``zeroshard train --tp`` gives ``zs.shard(..., mesh=)``: over every
+    rank, tensor parallelism of degree ``tp`` on consecutive ranks (a node's), as
+    ``("dp", "tp")``, or with a shard group of K data-parallel ranks (``"node"``: a
+    node's ranks over tp) ``("dp_replicate", "dp_shard", "tp")``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    device = default_device().type
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} ranks; expected one of "
+                         f"{[d for d in range(1, world + 1) if world % d == 0]}")
+    dp = world // tp
+    if shard_group is None:
+        return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    k = node_ranks(dp, tp) if shard_group == "node" else shard_group
+    if not isinstance(k, int) or k < 1 or dp % k:
+        raise ValueError(f"shard_group={shard_group!r} with --tp {tp}: shard groups of {k} "
+                         f"data-parallel ranks do not divide the {dp}; expected one of "
+                         f"{[d for d in range(1, dp + 1) if dp % d == 0]}")
+    return init_device_mesh(device, (dp // k, k, tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))

@@ -242,8 +242,7 @@ def _cut(units, size: int) -> list[list[tuple]]:
     list of ``(unit, lo, hi, at)`` — slot elements [lo, hi) at buffer offset ``at``."""
     groups, current, used = [], [], 0
     for u in units:
-        ranges = [(s.offset, s.offset + s.real_rows(u.rank) * s.row_numel)
-                  for s in u.g_layout.slots]
+        ranges = [(offset, offset + numel) for _, offset, numel in u.owned_rows()]
         lo, n = 0, u.disk.numel
         while lo < n:
             hi = _aligned(min(n, lo + size - used), ranges)
@@ -263,14 +262,6 @@ def _cut(units, size: int) -> list[list[tuple]]:
     return groups
 
 
-def _destination(u, i: int) -> torch.Tensor:
-    """The compute weights this rank's rows of parameter i are sent to, flat."""
-    if u.w_shard is not None:  # stage 3: the weight shard
-        return u.w_layout.shard_views(u.w_shard, u.rank)[i].reshape(-1)
-    slot = u.w_layout.slots[i]
-    return u.padded[i][u.rank][:slot.real_rows(u.rank) * slot.row_numel]
-
-
 class DiskStep:
     """The streamed step over every disk unit of one model on this rank."""
 
@@ -281,7 +272,7 @@ class DiskStep:
                                default=0)
         self.buffers: list[torch.Tensor] = []  # two [3, group_numel] fp32, from the first step
         # (unit, j) whose moments in the file are still the zeros written at zs.shard time
-        self._zero = {(u.index, j) for u in self.units for j in range(len(u.trainable))}
+        self._zero = {(u.index, j) for u in self.units for j in range(len(u.owned_rows()))}
         self._pool: ThreadPoolExecutor | None = None
 
     def buffer_bytes(self) -> int:
@@ -295,10 +286,8 @@ class DiskStep:
         first; a shard stepped for the first time starts from zero moments."""
         zeros = None
         for u in self.units:
-            m_views = u.g_layout.shard_views(u.disk.planes[1], u.rank)
-            v_views = u.g_layout.shard_views(u.disk.planes[2], u.rank)
-            for j, i in enumerate(u.trainable):
-                shard, start = u.shards[i], u.g_layout.slots[j].offset
+            m_views, v_views = u.slot_views(u.disk.planes[1]), u.slot_views(u.disk.planes[2])
+            for j, (shard, start, _) in enumerate(u.owned_rows()):
                 if id(shard) not in owned:  # another optimizer's parameter
                     continue
                 state = optimizer.state.get(shard)
@@ -335,24 +324,23 @@ class DiskStep:
         """Step every disk shard that has a gradient; leave no gradient on them."""
         active = {}  # (unit index, j) -> (group, step, grad flat, destination flat)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        if any(u.shards[i].grad is not None for u in self.units for i in u.trainable):
+        if any(shard.grad is not None for u in self.units for shard, _, _ in u.owned_rows()):
             for u in self.units:
                 u.disk.drop_mapped()
             self._adopt_state(optimizer, group_of)
         for u in self.units:
-            for j, i in enumerate(u.trainable):
-                shard = u.shards[i]
+            for j, (shard, _, _) in enumerate(u.owned_rows()):
                 if shard.grad is not None and id(shard) in group_of:
                     active[(u.index, j)] = (group_of[id(shard)], optimizer.state[shard]["step"],
-                                            shard.grad.reshape(-1), _destination(u, i))
+                                            shard.grad.reshape(-1), u.compute_rows(j))
         if active:
             # t <- t + 1 once per parameter, as the fused AdamW does, before any segment
             torch._foreach_add_([a[1] for a in active.values()], 1)
             self._stream(active)
         for u in self.units:  # this optimizer's: its own step() then finds nothing to do
-            for i in u.trainable:
-                if id(u.shards[i]) in group_of:
-                    u.shards[i].grad = None
+            for shard, _, _ in u.owned_rows():
+                if id(shard) in group_of:
+                    shard.grad = None
 
     def _stream(self, active: dict) -> None:
         groups = self.groups
@@ -404,12 +392,10 @@ class DiskStep:
         by_group: dict[int, tuple] = {}
         sends = []
         for u, lo, hi, at in group:
-            for j in range(len(u.trainable)):
+            for j, (_, off, n) in enumerate(u.owned_rows()):
                 hit = active.get((u.index, j))
                 if hit is None:
                     continue
-                slot = u.g_layout.slots[j]
-                off, n = slot.offset, slot.real_rows(u.rank) * slot.row_numel
                 a, b = max(lo, off), min(hi, off + n)
                 if a >= b:
                     continue

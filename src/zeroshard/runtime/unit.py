@@ -710,6 +710,7 @@ class Unit:
         self.step_grads = None  # 1D fp32 gradients handed to the optimizer (transient)
         self.sync_whole = False  # the sync in flight brings this rank's rows too (cast)
         self.view = ModuleView(self)  # what the module shows ([Note: module view], view.py)
+        self._owned_rows = None  # owned_rows(), made on first use
         if policy.shards_params:
             self.release()
 
@@ -873,6 +874,32 @@ class Unit:
         self.step_grads = flat
         for j, view in enumerate(self.g_layout.shard_views(flat, self.rank)):
             self.shards[self.trainable[j]].grad = view if present[j] else None
+
+    # -- what offload's streamed step reads (runtime/offload.py) -----------------------
+    def owned_rows(self) -> list[tuple[nn.Parameter, int, int]]:
+        """``(shard, offset, numel)`` per trainable parameter, in slot order: the optimizer's
+        shard and where this rank's real rows of it sit in the unit's flat slot (the
+        master's, the moments', disk offload's file's), padding left out."""
+        rows = self._owned_rows
+        if rows is None:
+            rows = self._owned_rows = [
+                (self.shards[i], s.offset, s.real_rows(self.rank) * s.row_numel)
+                for i, s in zip(self.trainable, self.g_layout.slots)]
+        return rows
+
+    def slot_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (1D [S_g]: a slot laid out as the master) cut into this rank's rows
+        of each trainable parameter, each shaped as its shard."""
+        return self.g_layout.shard_views(flat, self.rank)
+
+    def compute_rows(self, j: int) -> torch.Tensor:
+        """Flat: the compute weights this rank's rows of trainable parameter ``j`` are
+        written to after a step (stage 3's weight shard, else the full weights' rows)."""
+        i = self.trainable[j]
+        if self.w_shard is not None:
+            return self.w_layout.shard_views(self.w_shard, self.rank)[i].reshape(-1)
+        slot = self.w_layout.slots[i]
+        return self.padded[i][self.rank][:slot.real_rows(self.rank) * slot.row_numel]
 
     def drop_step_grads(self) -> None:
         """Free the fp32 copies for the optimizer: the cycle's next backward renews them."""

@@ -213,11 +213,12 @@ def _sharded(model, cfg: TrainConfig, plan: dict, label: str, sizes, **options):
     it splits (``sizes()``) checked to divide by tp (``models/tpplan.py``)."""
     if cfg.tp == 1:
         return shard(model, config=cfg.zero, **options)
-    from ..models.tpplan import device_mesh, parallelize
+    from ..models.tpplan import parallelize
+    from ..runtime.mesh import tensor_parallel_mesh
     from ..spec.dims import check_tp_degree
 
     check_tp_degree(cfg.tp, label, sizes())
-    mesh = device_mesh(cfg.tp, cfg.zero.shard_group)
+    mesh = tensor_parallel_mesh(cfg.tp, cfg.zero.shard_group)
     parallelize(model, mesh["tp"], plan)
     return shard(model, config=cfg.zero, mesh=mesh, **options)
 
