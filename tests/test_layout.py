@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from zeroshard.runtime.build import select_units
 from zeroshard.runtime.spawn import spawn
-from zeroshard.runtime.unit import ShardLayout, dim0_chunk
+from zeroshard.runtime.unit import ShardLayout
+from zeroshard.spec.formulas import dim0_rows
 
 from . import engine_cases as cases
 from .engine_cases import MLP, Block
@@ -36,11 +37,11 @@ def test_layout_shapes_padding_and_roundtrip():
 
 
 def test_one_chunk_arithmetic():
-    """The layout's real rows are the chunks dim0_chunk gives, at every rank."""
+    """The layout's real rows are the chunks dim0_rows gives, at every rank."""
     for rows in (0, 1, 5, 7, 64):
         for world in (1, 3, 4, 8):
             layout = ShardLayout([(rows, 3)], world)
-            chunks = [dim0_chunk(rows, r, world) for r in range(world)]
+            chunks = [dim0_rows(rows, r, world) for r in range(world)]
             assert [b - a for a, b in chunks] == [layout.slots[0].real_rows(r)
                                                  for r in range(world)]
             assert chunks[0][0] == 0 and chunks[-1][1] == rows

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.dtensor import attach
-from ..runtime.unit import dim0_chunk, held_rows, tp_dim
+from ..runtime.unit import held_rows, tp_dim
+from ..spec.formulas import dim0_rows
 from .arguments import check_save, said
 from .foreign import refuse_foreign
 from .optstate import optimizers, state_layout, state_of
@@ -52,7 +53,7 @@ def _rows(shape) -> int:
 def own_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     """Rows [a, b) that rank r of ``world`` holds in a checkpoint: its dim-0 chunk, the
     same arithmetic as the engine's shards (``runtime/unit.py``)."""
-    return dim0_chunk(rows, rank, world)
+    return dim0_rows(rows, rank, world)
 
 
 class _Entry:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.formulas import ceil_div
 from .arch import Architecture
 
 #: Bytes per token of the int64 input ids the embedding keeps, and of the loss's labels.
@@ -181,7 +182,7 @@ def family_saved(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
     ``seq``): every block, or with checkpointing every k-th block's input and one
     recomputed block, and the output layer and loss; ``cpu``: dropout as on CPU."""
     replicated, split = block_parts(arch, b, seq, flash, tokens // seq, cpu)
-    block = tokens * replicated + -(-tokens * split // tp)
+    block = tokens * replicated + ceil_div(tokens * split, tp)
     head = tokens * head_bytes(arch, b, cpu)
     kept = tokens * _embedding_bytes(arch, b, cpu)
     if checkpoint_every is None:
@@ -204,13 +205,13 @@ def korthikanti_saved(hidden: int, layers: int, heads: int | None, b: int, token
     16-bit bytes plus ``5·a·s·t/K`` without flash (Korthikanti et al., 2022, eq. 3);
     with checkpointing the L layer inputs plus one layer's recompute. No output layer:
     a bare count has no vocabulary."""
-    per_layer_16bit = -(-(10 * tp + 24) * tokens * hidden // tp)
+    per_layer_16bit = ceil_div((10 * tp + 24) * tokens * hidden, tp)
     if not flash:
         if heads is None:
             if not checkpointing:
                 return None
         else:
-            per_layer_16bit += -(-5 * heads * seq * tokens // tp)
+            per_layer_16bit += ceil_div(5 * heads * seq * tokens, tp)
     if not checkpointing:
         return Saved(layers * per_layer_16bit * b // 2)
     return Saved(tokens * hidden * layers * b, per_layer_16bit * b // 2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..spec.formulas import ceil_div
 from ..spec.lora import MODULES
 
 #: Activation-model families (``plan/activations.py``): GPT-2's sequential pre-norm
@@ -288,7 +289,7 @@ class ModelSpec:
         blocks), P for a model without layers."""
         if self.arch is not None:
             return self.arch.block_params
-        return -(-self.params // (self.layers or 1))
+        return ceil_div(self.params, self.layers or 1)
 
     @property
     def root_params(self) -> int:

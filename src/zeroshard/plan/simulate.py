@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..spec.formulas import ceil_div
+
 
 class _Link:
     """One serial channel: collectives run one after another in issue order."""
@@ -73,7 +75,7 @@ def units_per_reduction(bucket: int, unit_elements: float, units: int) -> int:
     least that many), at most all of them."""
     if bucket <= 0 or unit_elements <= 0:
         return 1
-    return max(1, min(units, -(-int(bucket) // max(1, int(unit_elements)))))
+    return max(1, min(units, ceil_div(int(bucket), max(1, int(unit_elements)))))
 
 
 def _sync(t: float, link: _Link, units: int, gather: float, make: float,

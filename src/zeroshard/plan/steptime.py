@@ -86,6 +86,7 @@ from dataclasses import dataclass
 
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
+from ..spec.formulas import ceil_div
 from .arch import ModelSpec
 from .copies import CopyBytes, copy_bytes  # noqa: F401 - re-exported
 from .hardware import Cluster, Link
@@ -195,7 +196,7 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     acc = cluster.accelerator
     bw = acc.memory_bandwidth
     rate = acc.peak_flops * acc.efficiency
-    units = -(-model.layers // schedule.blocks_per_unit)
+    units = ceil_div(model.layers, schedule.blocks_per_unit)
     layers_per_unit = model.layers / units
     seq = work.seq_len or work.tokens
     fwd = train_flops_per_token(model, seq, False) / 3 * work.tokens / tp / rate
@@ -222,7 +223,7 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
     k2 = secondary(dims, config)
     cost = copy_bytes(config, dims, unit_params, gloo)  # memory rate, on compute
     # qwZ, qgZ: K slots of int8 and one fp32 scale per block (a unit's slot n = Q/K)
-    quantized = dp * (unit_params / dp + 4 * -(-unit_params / dp // config.quant_block))
+    quantized = dp * (unit_params / dp + 4 * ceil_div(unit_params / dp, config.quant_block))
     # offload: a unit's owned slot over the host link (plan/placement.py), per copy
     pcie_bw = cluster.host_side.pcie.bandwidth
     down = unit_params / dp * master_bytes(recipe, True) / pcie_bw if off else 0.0

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..spec.formulas import QUANT_BLOCK, quantized_nbytes
+from ..spec.formulas import QUANT_BLOCK, ceil_div, quantized_nbytes
 from .ledger import ring_bytes
 
 # QUANT_BLOCK (spec/formulas.py): DeepSpeed's qwZ picks groups of about 4-8k elements
@@ -46,7 +46,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def _n_blocks(numel: int, block: int) -> int:
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block={block!r}: the quantization block must be an int >= 1")
-    return -(-numel // block)
+    return ceil_div(numel, block)
 
 
 def quantized_ring_bytes(kind: str, slot_numel: int, world: int,

@@ -12,12 +12,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..spec.formulas import dim0_rows
 from ..spec.optimizers import ELEMENTWISE, REFUSED, STEPPED, Need, supported
 from ..spec.policy import FullGrads
 from .cycle import CycleState, StepCycle
 from .dtensor import attach
 from .offload import DiskStep, check_streamable
-from .unit import dim0_chunk, norm_grads
+from .unit import norm_grads
 
 # ----------------------------------------------------------------------------------------
 # Gradient clipping by the global norm when every rank holds a slice of it.
@@ -191,7 +192,7 @@ def _found_alike(units, world: int) -> list[int]:
                 g = u.shards[i].grad
                 if g is not None:
                     rows = g.shape[0] if g.dim() else 1
-                    a, b = dim0_chunk(rows, r, world)
+                    a, b = dim0_rows(rows, r, world)
                     pieces.append((k, g.reshape(rows, -1)[a:b]))
         found.append(_first_bad(pieces))
     return found

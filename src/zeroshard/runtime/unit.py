@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..spec.formulas import ceil_div, chunk_span, dim0_rows
 from ..spec.policy import AfterStep, FullGrads, ShardPolicy
 from .collectives import Collectives
 from .dist import TORCH_DTYPES, host_device
@@ -153,18 +154,6 @@ def tp_dim(p: torch.Tensor) -> int | None:
 # gathered ``[N, S]`` buffer is copied out in one ``split_with_sizes_copy``.
 # ----------------------------------------------------------------------------------------
 
-def dim0_chunk(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """Rows ``[a, b)`` of a parameter of ``rows`` rows that ``rank`` of ``world`` owns:
-    chunks of c = ceil(rows / world) rows; the last ranks' chunks may be short or empty.
-    The one place this arithmetic lives: the layout, clipping and checkpoints use it."""
-    return _chunk(rows, rank, -(-rows // world))
-
-
-def _chunk(rows: int, rank: int, c: int) -> tuple[int, int]:
-    a = min(rows, rank * c)
-    return a, min(rows, a + c)
-
-
 @dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter sits in a unit's slot."""
@@ -189,7 +178,7 @@ class ParamSlot:
 
     def real_rows(self, rank: int) -> int:
         """Rows of this parameter that rank owns (the rest of its chunk is padding)."""
-        a, b = _chunk(self.rows, rank, self.chunk_rows)
+        a, b = chunk_span(self.rows, rank, self.chunk_rows)
         return b - a
 
     def shard_shape(self, rank: int) -> tuple[int, ...]:
@@ -207,9 +196,9 @@ class ShardLayout:
         for shape in shapes:
             rows = shape[0] if shape else 1
             row_numel = math.prod(shape[1:]) if shape else 1
-            chunk_rows = -(-rows // world)  # c, as in dim0_chunk
-            self.slots.append(ParamSlot(tuple(shape), rows, row_numel, chunk_rows, offset))
-            offset += chunk_rows * row_numel
+            c = ceil_div(rows, world)  # as in dim0_rows
+            self.slots.append(ParamSlot(tuple(shape), rows, row_numel, c, offset))
+            offset += c * row_numel
         self.slot_numel = offset
         """S: elements of one rank's slot, padding included."""
 
@@ -987,13 +976,13 @@ class Unit:
 def held_rows(unit, i: int) -> tuple[torch.Tensor, int]:
     """The tensor this rank reads and writes parameter ``i``'s values through, and the
     first full row it holds: the optimizer-facing shard (rows of the dim-0 chunk
-    ``dim0_chunk(rows, rank, world)``), or, for a frozen parameter kept whole, the
+    ``dim0_rows(rows, rank, world)``), or, for a frozen parameter kept whole, the
     compute weight itself from row 0. Rows of the local slice of a tensor-parallel
     parameter ([Note: tensor-parallel parameters] in ``local.py``)."""
     p = local(unit.params[i])
     if i in unit.trainable or unit.w_shard is not None:
         rows = p.shape[0] if p.dim() else 1
-        return unit.shards[i], dim0_chunk(rows, unit.rank, unit.world)[0]
+        return unit.shards[i], dim0_rows(rows, unit.rank, unit.world)[0]
     return p, 0
 
 
@@ -1012,7 +1001,7 @@ def norm_grads(unit) -> list[torch.Tensor]:
             continue
         if unit.world == 1 and unit.comm.mesh.shard_world > 1:
             rows = unit.g_layout.slots[j].rows
-            a, b = dim0_chunk(rows, unit.comm.mesh.shard_rank, unit.comm.mesh.shard_world)
+            a, b = dim0_rows(rows, unit.comm.mesh.shard_rank, unit.comm.mesh.shard_world)
             g = g.reshape(rows, -1)[a:b]
         out.append(g)
     return out

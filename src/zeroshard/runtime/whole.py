@@ -11,8 +11,8 @@ from typing import NamedTuple
 import torch
 
 from ..optim.lamb import lamb_apply, lamb_directions
+from ..spec.formulas import dim0_rows
 from ..spec.optimizers import assign_owners
-from .unit import dim0_chunk
 
 # ----------------------------------------------------------------------------------------
 # What the engine's own optimizer steps (``reduced.py``, ``matrix.py``) read off the
@@ -52,7 +52,7 @@ def rows_of(optimizer, units) -> list[Rows]:
                 continue
             u, i = hit
             shape = tuple(u.params[i].shape)
-            first = dim0_chunk(shape[0] if shape else 1, u.rank, u.world)[0]
+            first = dim0_rows(shape[0] if shape else 1, u.rank, u.world)[0]
             out.append(Rows(p, shape, first, group))
     return out
 
@@ -339,7 +339,7 @@ class MatrixStep:
         world, me = self.comm.mesh.shard_world, self.comm.mesh.shard_rank
         cols = [r.shape[1] for r in rows]
         # chunk[k][j]: rows [a, b) of matrix j that rank k holds (the shards' dim-0 chunks)
-        chunk = [[dim0_chunk(r.shape[0], k, world) for r in rows] for k in range(world)]
+        chunk = [[dim0_rows(r.shape[0], k, world) for r in rows] for k in range(world)]
         held = [[b - a for a, b in ranks] for ranks in chunk]
         by_owner = [[j for j, o in enumerate(owners) if o == k] for k in range(world)]
         mine = by_owner[me]

@@ -45,7 +45,12 @@ def quantized_nbytes(numel: int, block: int = QUANT_BLOCK) -> int:
 def dim0_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     """Rows ``[a, b)`` of a parameter of ``rows`` rows that ``rank`` of ``world`` holds:
     chunks of c = ceil(rows / world), the last ranks' short or empty (FSDP2's dim-0
-    layout; the engine's ``runtime/unit/layout.dim0_chunk``)."""
-    c = ceil_div(rows, world)
+    layout). The one place this arithmetic lives: the engine's layout, clipping,
+    checkpoints and the planner use it."""
+    return chunk_span(rows, rank, ceil_div(rows, world))
+
+
+def chunk_span(rows: int, rank: int, c: int) -> tuple[int, int]:
+    """Rows ``[a, b)`` of ``rows`` in ``rank``'s chunk of ``c`` rows (:func:`dim0_rows`)."""
     a = min(rows, rank * c)
     return a, min(rows, a + c)

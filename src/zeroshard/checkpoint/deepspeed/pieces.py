@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...spec.formulas import ceil_div
 from .torchfile import Lazy
 
 
@@ -95,7 +96,7 @@ def stage12_params(shapes, states, world: int, folder, cut: bool = True) -> tupl
             offset += n + int(pads[j])
         # zero_to_fp32's own check: both ends agree once aligned to 2·N
         align_to = 2 * world
-        if -(-offset // align_to) != -(-sum(lens) // align_to):
+        if ceil_div(offset, align_to) != ceil_div(sum(lens), align_to):
             raise ValueError(f"{folder}: param group {g}'s shapes cover {offset} elements, its "
                              f"partitions hold {sum(lens)}")
         hyper = _hyper(base[0]["param_groups"][g]) if isinstance(base[0], dict) else {}
@@ -116,7 +117,7 @@ def stage3_params(shapes, states, world: int, folder) -> tuple[list, list]:
         for name, shape in sub_shapes.items():
             shape = _shape(shape)
             n = math.prod(shape)
-            c = -(-n // world)
+            c = ceil_div(n, world)
             ranges = [(r, offset, offset + min(c, n - r * c)) for r in range(world) if r * c < n]
             p = Param(name, shape, True, {"": [(flats[r], a, b) for r, a, b in ranges]},
                       dict(scalars))
@@ -145,7 +146,7 @@ def frozen_params(m0: dict, fragments: list[dict], trainable: set, partitioned: 
         shape = _shape(shape)
         n = math.prod(shape)
         if partitioned:
-            c = -(-n // world)
+            c = ceil_div(n, world)
             pieces = [(f[name], 0, min(c, n - r * c)) for r, f in enumerate(fragments)
                       if r * c < n]
             pieces = pieces or [(fragments[0][name], 0, 0)]  # (no elements)
