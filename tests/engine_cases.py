@@ -11,6 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+# bound before any model is sharded in the process, as at the top of a user's script
+from torch.nn.utils import clip_grad_norm_ as early_clip_grad_norm_
+
 import zeroshard as zs
 from zeroshard.models.gpt import GPT, GPTConfig
 
@@ -292,7 +295,10 @@ def parity_grid(models, variants, steps=20):
 
 
 def clip_norms(model_name):
-    """(our global norm, torch's clip_grad_norm_ on DDP) after one backward, per stage."""
+    """(our global norm, torch's clip_grad_norm_ on DDP, the inf norms, torch's own
+    clip_grad_norm_ on the shards bound before the first zs.shard, the shards' clipped
+    gradients' largest difference between the two ways) after one backward, per
+    stage."""
     out = []
     for stage in range(4):
         x, y = batch(model_name, 0)
@@ -301,10 +307,16 @@ def clip_norms(model_name):
         ddp(x, y).backward()
         torch_inf = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, float("inf")).item()
         torch_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05).item()
-        net = zs.shard(build(model_name), stage=stage)
-        net(x, y).backward()
-        inf = net.clip_grad_norm_(1e9, float("inf")).item()
-        out.append((net.clip_grad_norm_(0.05).item(), torch_norm, inf, torch_inf))
+        clipped = []
+        for clip in (lambda m: m.clip_grad_norm_(0.05),
+                     lambda m: early_clip_grad_norm_(m.parameters(), 0.05)):
+            net = zs.shard(build(model_name), stage=stage)
+            net(x, y).backward()
+            inf = net.clip_grad_norm_(1e9, float("inf")).item()
+            norm = clip(net).item()
+            clipped.append((norm, [p.grad.clone() for p in net.parameters()]))
+        gap = max((a - b).abs().max().item() for a, b in zip(clipped[0][1], clipped[1][1]))
+        out.append((clipped[0][0], torch_norm, inf, torch_inf, clipped[1][0], gap))
     return out
 
 

@@ -246,7 +246,7 @@ class ShardedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards (padding never counts); return
-        the norm (see :func:`zeroshard.runtime.stepping.clip_grad_norm`). A non-finite
+        the norm (see :func:`zeroshard.runtime.stepping.global_norm`). A non-finite
         norm raises with ``error_if_nonfinite`` (as torch's), and otherwise leaves the
         decision to ``ZeroConfig.nonfinite`` at the step, with no further exchange."""
         return self.stepper.clip(max_norm, norm_type, error_if_nonfinite)
@@ -371,10 +371,16 @@ class ShardedModel(nn.Module):
         """Whether any of the tensor ids ``ids`` is one of this model's shards."""
         return not self._shard_ids.isdisjoint(ids)
 
-    def covers_trainable(self, ids: set[int]) -> bool:
-        """Whether ``ids`` are shards of this model and include every trainable one."""
-        return ids <= self._shard_ids and all(
-            id(s) in ids for _, s in self._named_shards if s.requires_grad)
+    def _grad_ids(self) -> set[int]:
+        return {id(s.grad) for _, s in self._named_shards if s.grad is not None}
+
+    def holds_grads(self, ids: set[int]) -> bool:
+        """Whether any of the tensor ids ``ids`` is a gradient of this model's shards."""
+        return not self._grad_ids().isdisjoint(ids)
+
+    def holds_every_grad(self, ids: set[int]) -> bool:
+        """Whether ``ids`` are exactly the gradients this model's shards hold."""
+        return ids == self._grad_ids()
 
     def holds_original(self, ids: set[int]) -> bool:
         """Whether any of ``ids`` is a parameter of the module as it was before

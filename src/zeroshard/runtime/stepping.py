@@ -42,17 +42,15 @@ def check_clip_args(max_norm, norm_type) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
-                   error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Clip by the global norm over all ranks' shards (padding never counts); return
-    the norm. Each rank sums ``|g|^p`` over the rows it owns — where its shard is whole
-    (stage 0) over the rows it *would* own at N ranks (``unit/readout.norm_grads``) — and one
+def global_norm(units, comm, norm_type: float = 2.0,
+                error_if_nonfinite: bool = False) -> torch.Tensor:
+    """The norm of order ``norm_type`` over all ranks' shards (padding never counts). Each
+    rank sums ``|g|^p`` over the rows it owns — where its shard is whole (stage 0) over
+    the rows it *would* own at N ranks (``unit.py``'s ``norm_grads``) — and one
     all-reduce adds them, so every stage computes the same norm bit for bit."""
     norm_type = float(norm_type)
     parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
              for u in units for g in norm_grads(u)]
-    grads = [u.shards[i].grad for u in units for i in u.trainable
-             if u.shards[i].grad is not None]
     local = (torch.stack(parts).to(units[0].device) if parts else  # (offload: from the host)
              torch.zeros(1, dtype=torch.float64, device=units[0].device))
     tp = comm.mesh.tp_world > 1  # then the tp ranks' slices too, a replicated one once
@@ -71,49 +69,65 @@ def clip_grad_norm(units, comm, max_norm: float, norm_type: float = 2.0,
     if error_if_nonfinite and not torch.isfinite(total):  # the same total on every rank
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                            f"non-finite ({total.item()}), so they cannot be clipped")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
 
 
-_TORCH_CLIP: list = []  # torch's own clip_grad_norm_, once redirected
+@torch.no_grad()
+def scale_to(units, max_norm: float, total: torch.Tensor) -> None:
+    """Scale every shard's gradient by ``min(1, max_norm / (total + 1e-6))``, torch's
+    factor (``torch.nn.utils.clip_grads_with_norm_``)."""
+    grads = [u.shards[i].grad for u in units for i in u.trainable
+             if u.shards[i].grad is not None]
+    if grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
-def redirect_torch_clip(live_models) -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` correct on a sharded model's parameters.
+#: torch's own ``clip_grad._get_total_norm``, once :func:`norm_torch_clips` wraps it.
+_TORCH_TOTAL_NORM: list = []
 
-    Given the shards, torch's function would sum this rank's rows only and each rank
-    would clip by its own partial norm — silently unlike torch DDP. Once a sharded
-    model exists, the function is replaced by one that hands a sharded model's
-    parameters to ``model.clip_grad_norm_`` (the global norm) and any other parameters
-    to torch's own. (A reference bound with ``from torch.nn.utils import
-    clip_grad_norm_`` before the first ``zs.shard`` keeps torch's: call it through
-    ``torch.nn.utils`` or ``model.clip_grad_norm_``.)"""
-    if _TORCH_CLIP:
+
+def norm_torch_clips(live_models) -> None:
+    """Make torch's ``clip_grad_norm_`` clip a sharded model by its global norm.
+
+    [Note: torch's clip_grad_norm_ on shards] Given the shards, torch's
+    ``clip_grad_norm_`` would sum this rank's rows only, and each rank clip by its own
+    partial norm: silently unlike torch DDP. It computes the norm with the module
+    global ``_get_total_norm`` of ``torch/nn/utils/clip_grad.py``, looked up at every
+    call, then scales the gradients by ``max_norm / (norm + 1e-6)``; so that one private
+    function is wrapped (once per process, when the first sharded model is built):
+    handed exactly the gradients of one sharded model's shards it returns the model's
+    global norm (``model.clip_grad_norm_``'s), and anything else goes to torch's own.
+    Wrapping the public ``torch.nn.utils.clip_grad_norm_`` instead missed a reference
+    bound before the first ``zs.shard`` (``from torch.nn.utils import clip_grad_norm_``
+    at the top of a script): now every reference is torch's own function, and each gets
+    the same answer. No local mechanism serves: torch reads ``p.grad`` of the shards,
+    plain tensors, and a tensor subclass for them would tax every optimizer operation.
+    The norm is the gradients' after a backward that synchronised (as torch DDP's);
+    torch's ``get_total_norm`` called directly keeps torch's per-rank meaning."""
+    if _TORCH_TOTAL_NORM:
         return
     from torch.nn.utils import clip_grad
 
-    _TORCH_CLIP.append(clip_grad.clip_grad_norm_)
+    torch_total = clip_grad._get_total_norm
+    _TORCH_TOTAL_NORM.append(torch_total)
 
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                        foreach=None):
-        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-        ids = {id(p) for p in params}
-        owners = [m for m in list(live_models) if m.holds_any(ids)]
+    def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        given = [tensors] if torch.is_tensor(tensors) else list(tensors)
+        ids = {id(t) for t in given}
+        owners = [m for m in list(live_models) if m.holds_grads(ids)]
         if not owners:
-            return _TORCH_CLIP[0](params, max_norm, norm_type, error_if_nonfinite, foreach)
-        if len(owners) > 1 or not owners[0].covers_trainable(ids):
+            return torch_total(given, norm_type, error_if_nonfinite, foreach)
+        if len(owners) > 1 or not owners[0].holds_every_grad(ids):
             raise ValueError(
                 "torch.nn.utils.clip_grad_norm_ got part of a sharded model's trainable "
                 "parameters (or parameters of several models): the norm is global over all "
                 "of one model's shards; pass model.parameters(), or call "
                 "model.clip_grad_norm_()")
-        return owners[0].clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return owners[0].stepper.total_norm(norm_type, error_if_nonfinite)
 
-    clip_grad_norm_.__doc__ = _TORCH_CLIP[0].__doc__
-    clip_grad.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    _get_total_norm.__doc__ = torch_total.__doc__
+    clip_grad._get_total_norm = _get_total_norm
 
 
 # ----------------------------------------------------------------------------------------
@@ -316,12 +330,12 @@ def _post_step(optimizer, args, kwargs) -> None:
 
 def register_for_step_hooks(model) -> None:
     """Let ``model.stepper.before_step(opt)`` / ``after_step(opt)`` run around every step
-    of an optimizer that holds its shards (and ``torch.nn.utils.clip_grad_norm_`` clip
-    its shards by the global norm, ``clip.py``). The hooks are installed once per process:
-    every torch optimizer's step passes through them, and they act only for the live
-    sharded models whose shards that optimizer holds."""
+    of an optimizer that holds its shards (and torch's ``clip_grad_norm_`` clip its
+    shards by the global norm: [Note: torch's clip_grad_norm_ on shards]). The hooks are
+    installed once per process: every torch optimizer's step passes through them, and
+    they act only for the live sharded models whose shards that optimizer holds."""
     LIVE.add(model)
-    redirect_torch_clip(LIVE)
+    norm_torch_clips(LIVE)
     if not _HOOKS:
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
@@ -398,10 +412,17 @@ class Stepper:
              error_if_nonfinite: bool = False) -> torch.Tensor:
         """``model.clip_grad_norm_``: the global norm over every rank's shards."""
         check_clip_args(max_norm, norm_type)
-        self.finalize_grads()
-        norm = clip_grad_norm(self.units, self.comm, max_norm, norm_type, error_if_nonfinite)
-        self.cycle_norm = norm
+        norm = self.total_norm(norm_type, error_if_nonfinite)
+        scale_to(self.units, max_norm, norm)
         return norm
+
+    def total_norm(self, norm_type: float = 2.0,
+                   error_if_nonfinite: bool = False) -> torch.Tensor:
+        """The gradients made final, and their global norm (kept: a clipped cycle's
+        non-finite verdict needs no exchange of its own)."""
+        self.finalize_grads()
+        self.cycle_norm = global_norm(self.units, self.comm, norm_type, error_if_nonfinite)
+        return self.cycle_norm
 
     def zero_grad(self) -> None:
         self.settle()
