@@ -125,13 +125,13 @@ def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,
 
 def _owner_bytes(net, member: str, steps: int) -> dict | None:
     """A zeroshard member under Muon: the owner-computes bytes rank 0 sent per step, as
-    its ledger measured them and as the planner counts them (``plan/optimizer.py``)."""
+    its ledger measured them and as the planner counts them (``plan/comm.py``)."""
     if not member.startswith("zeroshard") or not member.endswith("@muon"):
         return None
     import dataclasses
 
     from zeroshard.plan.arch import ModelSpec
-    from zeroshard.plan.optimizer import owner_comm
+    from zeroshard.plan.comm import owner_comm
     from zeroshard.spec.dims import ParallelDims
 
     sent = net.comm_stats()

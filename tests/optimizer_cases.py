@@ -124,8 +124,8 @@ def ledger_grid():
     AdamW and under Adafactor at stages 0-3, and the bytes one step sends for Muon's
     owner computes and Adafactor's sums, by this rank."""
     from zeroshard.plan.arch import ModelSpec
-    from zeroshard.plan.optimizer import owner_comm, reduction_comm
-    from zeroshard.plan.state import model_state_bytes
+    from zeroshard.plan.comm import owner_comm, reduction_comm
+    from zeroshard.plan.placement import model_state_bytes
     from zeroshard.spec.dims import ParallelDims
 
     spec = ModelSpec.from_module(cases.build("mlp"))

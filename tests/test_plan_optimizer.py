@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from zeroshard.plan.arch import PRESETS, ModelSpec
+from zeroshard.plan.comm import owner_comm, reduction_comm
 from zeroshard.plan.memory import plan_strategy
-from zeroshard.plan.optimizer import owner_comm, reduction_comm, state_bytes
+from zeroshard.plan.placement import _shaped_state as state_bytes
 from zeroshard.plan.shapes import arch_shapes
 from zeroshard.spec.config import ZeroConfig
 from zeroshard.spec.dims import ParallelDims

@@ -35,6 +35,13 @@ K2 the secondary group):
 
 Those sums run over the units (``units``: their parameter counts; one unit of P when not
 given), since every slot rounds its blocks up.
+
+**Optimizers that are not elementwise** (``spec/optimizers.py``) send more each step,
+once the stage shards their state: Muon's owner computes (``owner_gather``,
+``owner_scatter``: :func:`owner_comm`, the bytes ``spec.optimizers.owner_bytes`` gives
+each rank for the owners ``assign_owners`` picks, the same as the engine's ledger), and
+the reducing optimizers' all-reduces of partial sums (Adafactor's two rounds, LAMB's
+one, fp64: :func:`reduction_comm`).
 """
 
 from __future__ import annotations
@@ -42,7 +49,10 @@ from __future__ import annotations
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
 from ..spec.formulas import QUANT_BLOCK, ceil_div, quantized_nbytes, ring_all_reduce, ring_one_way
+from ..spec.optimizers import OPTIMIZERS, Need, owner_bytes
+from ..spec.recipes import DTYPE_BYTES
 from .layout import check_layout, dp_degree, secondary, shard_degree  # noqa: F401 (re-exported)
+from .placement import check_shaped
 
 
 def uses_zeropp(config: ZeroConfig) -> bool:
@@ -74,6 +84,12 @@ def secondary_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
     ``w_secondary``, counted under ``gathered``). At the start of backward every unit's
     is held."""
     check_layout(dims, config)
+    return kept_secondary(params, dims, config, units)
+
+
+def kept_secondary(params: int, dims: ParallelDims, config: ZeroConfig,
+                   units: list[int] | None = None) -> list[int]:
+    """:func:`secondary_bytes` on a layout its caller checked (``plan_strategy``)."""
     k, k2 = dims.shard_size, secondary(dims, config)
     if k2 is None:
         return []
@@ -114,6 +130,12 @@ def comm_bytes_by_level(params: int, dims: ParallelDims, config: ZeroConfig,
     theirs alone; stage 3 gathers every weight for forward and backward.
     """
     check_layout(dims, config)
+    return traffic(params, dims, config, units, trainable)
+
+
+def traffic(params: int, dims: ParallelDims, config: ZeroConfig,
+            units: list[int] | None = None, trainable: int | None = None) -> dict[str, int]:
+    """:func:`comm_bytes_by_level` on a layout its caller checked (``plan_strategy``)."""
     policy, recipe = config.policy, config.recipe
     k, k2 = dims.shard_size, secondary(dims, config)
     trained = params if trainable is None else trainable
@@ -138,3 +160,60 @@ def comm_bytes_by_level(params: int, dims: ParallelDims, config: ZeroConfig,
             levels["secondary"] = sum(ring_one_way(k * n * recipe.weight_bytes, k2)
                                       for n in slots)
     return levels
+
+
+#: Bytes of each partial sum the reducing optimizers all-reduce (fp64).
+SUM_BYTES = 8
+
+
+def steps_shards(dims: ParallelDims, config: ZeroConfig) -> bool:
+    """Whether the optimizer steps rows (the stage shards its state over K > 1 ranks),
+    so that a non-elementwise one communicates."""
+    return config.policy.shards_optimizer and dims.shard_size > 1
+
+
+def owner_comm(shapes: list[tuple[int, ...]], dims: ParallelDims, config: ZeroConfig,
+               rank: int | None = None) -> dict[str, int]:
+    """Muon's owner-computes bytes per step (``owner_gather``, ``owner_scatter``) that
+    ``rank`` of the shard group sends; ``rank`` None: the most any rank sends. Zero
+    where the optimizer is not Muon or nothing is sharded."""
+    check_shaped(dims, config)
+    out = {"owner_gather": 0, "owner_scatter": 0}
+    opt = OPTIMIZERS[config.recipe.optimizer]
+    if opt.need is not Need.WHOLE_MATRIX or not steps_shards(dims, config):
+        return out
+    matrices = [s for s in shapes if len(s) == 2]
+    item = DTYPE_BYTES[config.recipe.master_dtype or config.recipe.param_dtype]
+    k = dims.shard_size
+    ranks = range(k) if rank is None else [rank]
+    per = [owner_bytes(matrices, k, r, item) for r in ranks]
+    return max(per, key=lambda b: (b["owner_gather"] + b["owner_scatter"], -per.index(b)))
+
+
+def reduction_comm(shapes: list[tuple[int, ...]], dims: ParallelDims,
+                   config: ZeroConfig) -> int:
+    """Bytes a rank sends per step in the all-reduces of a reducing optimizer's partial
+    sums (ring accounting, fp64): Adafactor's two rounds (each parameter's weight norm,
+    a matrix's C + 1 column and row sums; then each update's norm), LAMB's one (the
+    weight's and the update's norms). Zero for the others, or where nothing is sharded."""
+    check_shaped(dims, config)
+    opt = OPTIMIZERS[config.recipe.optimizer]
+    if opt.need is not Need.REDUCTIONS or not steps_shards(dims, config):
+        return 0
+    k = dims.shard_size
+    if opt.factored:  # Adafactor
+        first = sum(1 + (s[1] + 1 if len(s) == 2 else 0) for s in shapes)
+        return (ring_all_reduce(first * SUM_BYTES, k)
+                + ring_all_reduce(len(shapes) * SUM_BYTES, k))
+    return ring_all_reduce(2 * len(shapes) * SUM_BYTES, k)  # LAMB
+
+
+def optimizer_comm(shapes: list[tuple[int, ...]] | None, dims: ParallelDims,
+                   config: ZeroConfig) -> int:
+    """Every byte a rank sends per step for the optimizer beyond the stage's own
+    collectives (the most any rank sends): Muon's owner computes, or the reducing
+    optimizers' all-reduces. Zero without shapes or for an elementwise optimizer."""
+    if shapes is None or OPTIMIZERS[config.recipe.optimizer].need is Need.ELEMENTWISE:
+        return 0
+    return sum(owner_comm(shapes, dims, config).values()) + reduction_comm(shapes, dims,
+                                                                           config)

@@ -39,18 +39,19 @@ from .comm import (  # noqa: F401 - re-exported: the planner's communication mod
     comm_bytes,
     comm_bytes_by_level,
     dp_degree,
+    kept_secondary,
+    optimizer_comm,
     quantized_nbytes,
     ring_all_reduce,
     ring_one_way,
     secondary_bytes,
     shard_degree,
+    traffic,
     uses_zeropp,
     zeropp_dict,
 )
 from .layout import check_layout
-from .optimizer import model_shapes, optimizer_comm
-from .placement import Placement, placed_bytes
-from .state import model_state_bytes  # noqa: F401 - re-exported
+from .placement import Placement, model_shapes, model_state_bytes, place  # noqa: F401 (re-exported)
 from .tp import tp_counted, tp_unit_counts
 from .workload import (  # noqa: F401 - re-exported: the activation model
     Workload,
@@ -183,13 +184,13 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
     work = work or Workload()
     params = tp_counted(model, dims.tp)  # the split ones and, on every tp GPU, the whole
     shapes = model_shapes(model) if config.recipe.shaped_state else None
-    placed = placed_bytes(params, dims, config, model.trainable, shapes)
+    placed = place(params, dims, config, model.trainable, shapes)
     units = (tp_unit_counts(model, dims.tp, unit_sizes(model, blocks_per_unit))
              if uses_zeropp(config) else None)
-    levels = comm_bytes_by_level(params, dims, config, units, model.trainable)
+    levels = traffic(params, dims, config, units, model.trainable)
     # the optimizer's own exchanges (Muon's owner computes, Adafactor's sums): inside
     levels["inside"] += optimizer_comm(model_shapes(model), dims, config)
-    kept = sum(secondary_bytes(params, dims, config, units))
+    kept = sum(kept_secondary(params, dims, config, units))
     recipe, device = config.recipe, placed.device
     return StrategyPlan(
         STRATEGIES[config.stage], device.weights, device.grads, device.optimizer,

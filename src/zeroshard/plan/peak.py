@@ -16,7 +16,7 @@ beside the compute weights and the optimizer state it keeps:
    at stage 3 the unit gathered and the next arriving;
 3. **the end of backward**: the root unit's gradients made and its reduction issued;
 4. **the optimizer step**: the gradients, the step's buffers exactly as the engine's
-   ledger holds them in a step pre-hook (``offload.placed_bytes``: stage 1's reduced
+   ledger holds them in a step pre-hook (``placement.placed_bytes``: stage 1's reduced
    slot in the gradient dtype beside the full gradients, the fp32 copy of the owned
    gradients when the master is fp32 and the gradients are not — DeepSpeed's
    estimator counts the same 4 bytes, its 18P/N at stage 2), and the optimizer's
@@ -71,9 +71,7 @@ from .backward import BackwardPass, Moment
 from .comm import secondary_bytes
 from .layout import check_layout
 from .memory import unit_sizes
-from .optimizer import model_shapes
-from .placement import Placement, placed_bytes
-from .state import owned
+from .placement import Placement, model_shapes, owned, place
 from .tp import tp_counted, tp_unit_counts, tp_units
 from .workload import Workload, activation_saved
 
@@ -109,7 +107,7 @@ class Peak:
     """The root unit's backward and reduction at their largest, beside the held state."""
     step_buffers: int
     """At the step: stage 1's reduced slot and the fp32 copies of the owned gradients
-    kept on the device (``offload.placed_bytes``)."""
+    kept on the device (``placement.placed_bytes``)."""
     optimizer_temporaries: int
     """The optimizer's own temporaries at the step."""
     during: int = 0
@@ -124,7 +122,7 @@ class Peak:
     """Of ``head_activations``, the loss's own saved tensors when it runs outside the
     model's forward, where the profiler does not count them (``loss_outside``)."""
     placement: Placement | None = None
-    """Where the training state lives at the step (``offload.placed_bytes``)."""
+    """Where the training state lives at the step (``placement.placed_bytes``)."""
 
     @property
     def accumulating(self) -> bool:
@@ -235,7 +233,7 @@ def peak(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Workloa
     check_layout(dims, config)
     policy, recipe, tp, k = config.policy, config.recipe, dims.tp, dims.shard_size
     params = tp_counted(model, tp)  # the split ones and, on every tp GPU, the whole
-    placed = placed_bytes(params, dims, config,
+    placed = place(params, dims, config,
                           shapes=model_shapes(model) if config.recipe.shaped_state else None)
     device = placed.device
     saved = activation_saved(model, recipe, work, tp)

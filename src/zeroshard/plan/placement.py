@@ -1,4 +1,32 @@
-"""Offload in the planner: where each byte lives (device or host), what crosses PCIe.
+"""What each GPU holds of the training state: bytes per category and where each lives
+(device, host or disk), what crosses PCIe, and the optimizer's state where it depends
+on the parameters' shapes. One module answers for a unit's placement, as one
+module of the engine (``runtime/unit.py``) allocates it; the layout is checked once,
+by the public functions, and the helpers below them take it as checked.
+
+# The state
+
+The training state's bytes per GPU by category, wherever it lives.
+
+Stage k shards the first k of (optimizer state, gradients, weights) over the K ranks of
+a shard group (ZeRO paper, section 5; ``ShardPolicy``), after tensor parallelism of
+degree tp divides all three. With the 2/2/12 recipe over N = K ranks:
+
+    DDP     16P            ZeRO-2  2P + 14P/N
+    ZeRO-1  4P + 12P/N     ZeRO-3  16P/N
+
+Offloaded (``ZeroConfig.offload``), the optimizer category holds a master even when
+the recipe has none: the engine steps an fp32 host copy beside the device's fp32
+weights (4 + 8 bytes an element for fp32 AdamW). Where each category lives is
+``offload.placed_bytes``'s question; the sums here are what the engine's ledger counts
+per category over every placement.
+
+Every figure is an integer number of bytes; sharded figures round up (a rank holds
+whole elements).
+
+# Offload
+
+Offload in the planner: where each byte lives (device or host), what crosses PCIe.
 
 The engine's ``zs.shard(..., offload="optimizer")`` (stages 1-3) keeps the fp32 master
 and the optimizer state in host memory (pinned under CUDA), with a host master even when
@@ -57,6 +85,30 @@ long as the slower of its step and the I/O beside it, the last write after the l
 step. Disk-bound (d·2G > h·G, as on every preset: 24 bytes of I/O an element at 5 GB/s
 against 30 bytes of host memory at 57.5 GB/s) T is about ``2·d·n`` plus the ends' one
 read and one write, h·n when the host step is the slower.
+
+# Optimizers whose state depends on shapes
+
+The optimizer in the planner, where its bytes depend on the parameters' shapes
+(``zeroshard plan --optimizer``; [Note: optimizer needs] in ``spec/optimizers.py``).
+
+AdamW keeps two states an element wherever the element is; Muon and Adafactor do not:
+
+- **Muon** (with AdamW for the rest, torch's documented use): one fp32 momentum per
+  element of every 2-D parameter, AdamW's two for the others. Row-sharded like Adam's,
+  so at K ranks a rank keeps its rows' share. Each step the owner of each matrix
+  receives the other ranks' rows of the update (``owner_gather``, in the master dtype)
+  and sends them their rows of the orthogonalised result (``owner_scatter``, bf16):
+  :func:`owner_comm`, the bytes ``spec.optimizers.owner_bytes`` gives each rank for the
+  owners ``assign_owners`` picks, the same as the engine's ledger.
+- **Adafactor**: a matrix of R x C keeps a row statistic (R) and a column statistic
+  (C); a vector one per element. The row statistic and a vector's are row-sharded; a
+  matrix's column statistic spans every row, so each rank keeps it whole. Every step
+  all-reduces, over the shard group, each parameter's sums of squares (the weight's and,
+  in a second round, the update's) and a matrix's C + 1 column and row sums, fp64:
+  :func:`reduction_comm`.
+
+Memory is counted for rank 0 of the shard group (dim-0 chunks of c = ceil(d0/K) rows:
+rank 0 holds the most), as :func:`model_state_bytes` does.
 """
 
 from __future__ import annotations
@@ -65,16 +117,119 @@ from dataclasses import dataclass
 
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
-from ..spec.formulas import SUB_GROUP_SIZE, ceil_div  # noqa: F401 (re-exported)
-from ..spec.recipes import Recipe
+from ..spec.formulas import SUB_GROUP_SIZE, ceil_div, dim0_rows  # noqa: F401 (re-exported)
+from ..spec.optimizers import OPTIMIZERS, state_elements
+from ..spec.policy import ShardPolicy
+from ..spec.recipes import DTYPE_BYTES, Recipe
 from ..spec.rules import OFFLOADS  # noqa: F401 (re-exported)
-from .state import (  # noqa: F401 (HOST_MASTER_BYTES re-exported)
-    HOST_MASTER_BYTES,
-    master_bytes,
-    model_state_bytes,
-    optimizer_bytes,
-    owned,
-)
+from .arch import ModelSpec
+from .layout import check_layout
+from .shapes import arch_shapes
+
+#: The master's bytes when the recipe has none: the engine keeps an fp32 host copy.
+HOST_MASTER_BYTES = DTYPE_BYTES["fp32"]
+
+
+def master_bytes(recipe: Recipe, offloaded: bool) -> int:
+    """Bytes per element of the master: the recipe's, or 4 offloaded without one."""
+    m = recipe.master_bytes
+    return m or (HOST_MASTER_BYTES if offloaded else 0)
+
+
+def optimizer_bytes(config: ZeroConfig) -> int:
+    """Bytes per element of the optimizer category: the master and the optimizer
+    states, with the host master offload adds when the recipe has none."""
+    recipe = config.recipe
+    offloaded = config.policy.offloads_optimizer
+    return master_bytes(recipe, offloaded) + recipe.optimizer_bytes - recipe.master_bytes
+
+
+def owned(params: int, dims: ParallelDims, policy: ShardPolicy) -> int:
+    """Elements whose optimizer state this GPU holds: P/tp when nothing is sharded,
+    over K above."""
+    k = dims.shard_size if policy.shards_optimizer else 1
+    return ceil_div(ceil_div(params, dims.tp), k)
+
+
+def model_state_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
+                      trainable: int | None = None,
+                      shapes: list[tuple[int, ...]] | None = None) -> tuple[int, int, int]:
+    """(weights, grads, optimizer) bytes per GPU, every placement together (the engine's
+    ledger categories): ``config``'s stage shards the first k of (optimizer, grads,
+    weights) over the layout's K ranks, after TP divides all by tp; the optimizer's
+    bytes are :func:`optimizer_bytes` (a host master offloaded), or, for an optimizer
+    whose state depends on the shapes (``Recipe.shaped_state``: Muon, Adafactor), the
+    master's plus the state counted from ``shapes``.
+    ``trainable``: of the ``params``, those that train (LoRA's adapters), which alone
+    have gradients and optimizer state; frozen ones are weights only, at the weights'
+    dtype."""
+    check_layout(dims, config)
+    return _state_bytes(params, dims, config, trainable, shapes)
+
+
+def _state_bytes(params: int, dims: ParallelDims, config: ZeroConfig, trainable: int | None,
+                 shapes: list[tuple[int, ...]] | None) -> tuple[int, int, int]:
+    """:func:`model_state_bytes` on a checked layout."""
+    policy, recipe = config.policy, config.recipe
+    trained = params if trainable is None else trainable
+
+    def part(bytes_per_param: int, count: int, sharded: bool) -> int:
+        total = ceil_div(bytes_per_param * count, dims.tp)
+        return ceil_div(total, dims.shard_size) if sharded else total
+
+    if recipe.shaped_state:
+        if shapes is None:
+            raise ValueError(f"optimizer {recipe.optimizer!r} keeps state that depends on "
+                             "each parameter's shape: plan a preset (--model), a "
+                             "config.json (--hf-config) or a module, not a bare count")
+        if trainable is not None:
+            raise ValueError(f"optimizer {recipe.optimizer!r} with LoRA adapters: the "
+                             "planner knows the base model's shapes, not the adapters'; "
+                             "plan --lora with --optimizer adamw")
+        m = master_bytes(recipe, policy.offloads_optimizer)
+        optimizer = part(m, params, policy.shards_optimizer) + _shaped_state(shapes, dims,
+                                                                             config)
+    else:
+        optimizer = part(optimizer_bytes(config), trained, policy.shards_optimizer)
+    return (part(recipe.weight_bytes, params, policy.shards_params),
+            part(recipe.grad_bytes, trained, policy.shards_grads), optimizer)
+
+
+def model_shapes(model: ModelSpec) -> list[tuple[int, ...]] | None:
+    """The parameters' shapes of ``model``: its own, its architecture's, or None for a
+    bare parameter count."""
+    if model.shapes is not None:
+        return list(model.shapes)
+    return arch_shapes(model.arch) if model.arch is not None else None
+
+
+def check_shaped(dims: ParallelDims, config: ZeroConfig) -> None:
+    """An optimizer whose state depends on the shapes counts each parameter's rows: not
+    beside tensor parallelism, which splits them further."""
+    if dims.tp > 1:
+        raise ValueError(f"--optimizer {config.recipe.optimizer} counts each parameter's "
+                         f"rows, and tensor parallelism (tp={dims.tp}) splits them further; "
+                         "plan it with tp=1, or with --optimizer adamw")
+
+
+def _rows(shape: tuple[int, ...], dims: ParallelDims, config: ZeroConfig,
+          rank: int = 0) -> int:
+    """The dim-0 rows of a parameter ``rank`` keeps the optimizer state of."""
+    rows = shape[0] if shape else 1
+    if not config.policy.shards_optimizer:
+        return rows
+    a, b = dim0_rows(rows, rank, dims.shard_size)
+    return b - a
+
+
+def _shaped_state(shapes: list[tuple[int, ...]], dims: ParallelDims, config: ZeroConfig,
+                  rank: int = 0) -> int:
+    """Bytes of optimizer state (the master left out) one rank keeps for ``shapes``
+    under ``config.recipe.optimizer``."""
+    check_shaped(dims, config)
+    opt = OPTIMIZERS[config.recipe.optimizer]
+    item = DTYPE_BYTES[config.recipe.state_dtype]
+    return item * sum(state_elements(opt, s, _rows(s, dims, config, rank)) for s in shapes)
 
 
 @dataclass(frozen=True)
@@ -142,9 +297,17 @@ def placed_bytes(params: int, dims: ParallelDims, config: ZeroConfig,
     ``config``'s policy places each category (``ShardPolicy.placement``); on disk, the
     master and the states are in files (:func:`on_disk`). ``trainable``: the parameters
     that train, of ``params``; ``shapes``: the parameters', for an optimizer whose state
-    depends on them (both as ``state.model_state_bytes`` takes them)."""
+    depends on them (both as :func:`model_state_bytes` takes them)."""
+    check_layout(dims, config)
+    return place(params, dims, config, trainable, shapes)
+
+
+def place(params: int, dims: ParallelDims, config: ZeroConfig, trainable: int | None = None,
+          shapes: list[tuple[int, ...]] | None = None) -> Placement:
+    """:func:`placed_bytes` on a layout its caller checked (the planner's entry points:
+    ``plan_strategy``, ``peak``)."""
     policy, recipe = config.policy, config.recipe
-    weights, grads, optimizer = model_state_bytes(params, dims, config, trainable, shapes)
+    weights, grads, optimizer = _state_bytes(params, dims, config, trainable, shapes)
     n = owned(params if trainable is None else trainable, dims, policy)
     offloaded = policy.offloads_optimizer
     m = master_bytes(recipe, offloaded)

@@ -1,5 +1,5 @@
 """Parameter shapes of an architecture, as transformers lays them out, for the
-optimizers whose bytes depend on shapes (``plan/optimizer.py``).
+optimizers whose bytes depend on shapes (``plan/placement.py``, ``plan/comm.py``).
 
 A Linear's weight is ``[out, in]`` (dim 0 the rows a rank keeps), except GPT-2's
 ``Conv1D``, which is ``[in, out]`` and fuses q, k and v into one ``c_attn``; GPT-NeoX

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..plan.comm import comm_bytes, ring_one_way
-from ..plan.state import model_state_bytes
+from ..plan.placement import model_state_bytes
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
 from .settings import processes
