@@ -147,6 +147,20 @@ class ShardedModel(nn.Module):
                 raise
             return getattr(module, name)
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """Refuses torch DDP around a sharded model: ``DistributedDataParallel.__init__``
+        reads this attribute of the module it wraps (``torch/nn/parallel/distributed.py``),
+        so Hugging Face's Trainer, accelerate and Lightning's DDP stop here, before their
+        first step, instead of all-reducing the shards' gradients again."""
+        raise ValueError(
+            "zeroshard: a ShardedModel cannot be wrapped in torch DistributedDataParallel "
+            "(by transformers' Trainer, accelerate, Lightning's DDP or by hand): it reduces "
+            "its own gradients, and DDP would reduce them again and train another model; "
+            "with Hugging Face's Trainer use zeroshard.hf.Trainer(model=<the unsharded "
+            "model>, zero=...), with Lightning strategy='zeroshard', in a loop of your own "
+            "call the sharded model itself")
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally, with no communication, until the context exits.
