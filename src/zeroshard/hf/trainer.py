@@ -272,7 +272,7 @@ def _check_steppable(optimizer, model: ShardedModel, optim: str) -> None:
     one whose update reads more than a rank's rows and is not the class zeroshard steps
     under its name (transformers' own ``Adafactor`` for ``optim="adafactor"``)
     (``spec/optimizers.py``)."""
-    inner = optimizer
+    inner = ckpt.unwrap_optimizer(optimizer)
     name = type(inner).__name__
     if model.stage == 0 or name in ELEMENTWISE or dist.get_world_size() == 1:
         return
@@ -280,7 +280,7 @@ def _check_steppable(optimizer, model: ShardedModel, optim: str) -> None:
     if name in REFUSED or (name in STEPPED and not ours):
         where = f"{type(inner).__module__}.{name}"
         raise ValueError(
-            f"optim={optim!r} builds {where}, which cannot step ZeRO stage {model.stage} "
+            f"optim={getattr(optim, 'value', optim)!r} builds {where}, which cannot step ZeRO stage {model.stage} "
             "shards: its update reads whole tensors, and each rank holds some rows; use "
             f"stage 0, or an optimizer zeroshard steps on shards ({supported()}), through "
             "optim= or optimizer_cls_and_kwargs=")
