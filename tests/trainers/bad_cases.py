@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import re
 from pathlib import Path
 
 import torch
@@ -22,10 +22,10 @@ def rows() -> list[tuple[str, str]]:
     for raw in DOC.read_text(encoding="utf-8").splitlines():
         if raw.startswith("## "):
             inside = raw[3:].strip() == SECTION
-        elif inside and raw.startswith("| hf: `") or inside and raw.startswith("| lightning: `"):
-            first, line = [c.strip() for c in raw.split(" | ")[:2]]
-            code = first.split(": `", 1)[1].rstrip("`").replace("\\|", "|")
-            out.append((code, line.strip("`").replace("\\|", "|")))
+        elif inside and raw.startswith(("| hf: `", "| lightning: `")):
+            first, line = (c.strip().replace("\\|", "|")
+                           for c in re.split(r"(?<!\\)\|", raw)[1:3])
+            out.append((first.split(": `", 1)[1].removesuffix("`"), line.strip("`")))
     return out
 
 

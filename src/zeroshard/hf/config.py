@@ -78,7 +78,7 @@ def resolve(zero: Any, args, model) -> Resolved:
         return _from_deepspeed(zero, args, model)
     fields = dict(zero)
     if "mixed_precision" in fields:
-        _check_precision(fields["mixed_precision"], args, "zero['mixed_precision']")
+        _check_precision(fields["mixed_precision"], args, "zero=")
     else:
         fields["mixed_precision"] = "bf16" if args.bf16 else None
     return Resolved(ZeroConfig.from_dict(fields))

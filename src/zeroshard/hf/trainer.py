@@ -279,8 +279,9 @@ def _check_steppable(optimizer, model: ShardedModel, optim: str) -> None:
     ours = name in STEPPED and type(inner).__module__.startswith(("torch.optim", "zeroshard."))
     if name in REFUSED or (name in STEPPED and not ours):
         where = f"{type(inner).__module__}.{name}"
+        given = getattr(optim, "value", optim)  # an OptimizerNames member, or its string
         raise ValueError(
-            f"optim={getattr(optim, 'value', optim)!r} builds {where}, which cannot step ZeRO stage {model.stage} "
+            f"optim={given!r} builds {where}, which cannot step ZeRO stage {model.stage} "
             "shards: its update reads whole tensors, and each rank holds some rows; use "
             f"stage 0, or an optimizer zeroshard steps on shards ({supported()}), through "
             "optim= or optimizer_cls_and_kwargs=")
