@@ -103,6 +103,10 @@ def _from_deepspeed(ds: dict, args, model) -> Resolved:
     for key, value, hf_key, must in _trainer_values(args):
         fill(ds, key, value, hf_key, mismatches, must)
     _fill_hidden(ds, model)
+    if _get(ds, "zero_optimization.stage") != 3:  # DeepSpeed reads stage3_* at stage 3 only
+        for key in _HIDDEN_KEYS[1:]:
+            if _get(ds, key) == "auto":
+                del ds["zero_optimization"][key.split(".")[1]]
     if mismatches:
         raise ValueError("DeepSpeed config values disagree with TrainingArguments: "
                          + "; ".join(mismatches) + " (set them to \"auto\" to take the "
