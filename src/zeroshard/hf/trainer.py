@@ -48,6 +48,17 @@ from .schedules import deepspeed_optimizer, deepspeed_scheduler
 
 logger = logging.get_logger(__name__)
 
+#: The Trainer's methods this module overrides or relies on (transformers 5; 4.x clipped
+#: inside its training loop, where no override reaches).
+_NEEDED = ("_wrap_model", "_clip_grad_norm", "_get_grad_norm", "_save_optimizer_and_scheduler",
+           "_load_optimizer_and_scheduler", "_load_from_checkpoint", "_load_best_model",
+           "get_decay_parameter_names", "create_scheduler")
+_missing = [n for n in _NEEDED if not hasattr(transformers.Trainer, n)]
+if _missing:
+    raise ImportError(f"zeroshard.hf needs a transformers Trainer with {', '.join(_missing)} "
+                      f"(transformers 5; this is {transformers.__version__}): pip install "
+                      "'zeroshard[hf]'")
+
 #: ``max_norm`` for reading the global norm without clipping: every factor is 1.0.
 _NO_CLIP = float(torch.finfo(torch.float32).max)
 
@@ -87,6 +98,13 @@ class ZeroShardMixin:
         joined the process group (a group of one when nothing launched several)."""
         import zeroshard as zs
 
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.args.world_size == 1:
+            raise ValueError(
+                f"WORLD_SIZE={launched} (a launcher started {launched} processes) but the "
+                "TrainingArguments set up one process, so each would train alone on all the "
+                "data; without a GPU pass TrainingArguments(use_cpu=True), which makes "
+                "accelerate join the launcher's process group")
         if not dist.is_initialized():
             zs.init_distributed()
         resolved = resolve(self._zero, self.args, self.model)
