@@ -1,0 +1,182 @@
+"""zeroshard.hf.Trainer against transformers' own Trainer, in turns in the same ranks: the
+step-time ratio with a confidence interval.
+
+    python bench/trainers.py                          # both pairs, N = 2
+    python bench/trainers.py --pairs zs3:fsdp2 --rounds 5 --steps 30
+
+Pairs: ``zs0:ddp`` (zeroshard.hf.Trainer at stage 0 against the Trainer's DDP of the
+plain model) and ``zs3:fsdp2`` (stage 3 against the Trainer with accelerate's FSDP2
+plugin: ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``, a Llama decoder layer
+per FSDP unit, as zeroshard's default units; it runs on CPU over gloo). A Trainer runs a
+whole loop, so the members cannot alternate step by step as in ``paired.py``; they
+alternate by *rounds* instead: in every round each member trains a fresh model of the
+same initial weights on the same batches for ``--steps`` optimizer steps, the order
+swapped every round, all in the same processes. Step k of one member and step k of the
+other see the same global batch; their ratio is one sample (a Trainer callback times
+each optimizer step on rank 0, from ``on_step_begin`` to ``on_step_end``: the micro-batches'
+forward and backward, clipping, the step and the scheduler; the first ``--warmup``
+steps of each round are dropped). Reported per pair: each member's median step time,
+the median of the per-step ratios and a 95 % bootstrap interval for it (2,000
+resamples, seeded), and both members' training losses, which must agree (the pair
+trains the same function; a pair whose losses differ is reported and the command exits
+with status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PAIRS = ["zs0:ddp", "zs3:fsdp2"]
+#: relative difference of the mean training losses past which a pair did not train the
+#: same function (fp32; FSDP2 and zeroshard sum the same gradients in other orders)
+LOSS_TOL = 1e-5
+#: the model: a Llama of 4 layers, width 256 (5.3 M parameters), sequences of 128
+MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+
+
+def _members(pair: str) -> list[str]:
+    members = pair.split(":")
+    known = {"zs0", "zs1", "zs2", "zs3", "ddp", "fsdp2"}
+    if len(members) != 2 or not set(members) <= known:
+        raise SystemExit(f"bench/trainers.py: --pairs {pair!r}: expected two of "
+                         f"{', '.join(sorted(known))} joined by ':'")
+    return members
+
+
+def _trainer(member: str, folder: str, steps: int, batch: int):
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    import zeroshard.hf
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    n = 2 * batch * steps * int(os.environ["WORLD_SIZE"])
+    ids = torch.randint(0, MODEL["vocab_size"], (n, 128),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    extra = {}
+    if member == "fsdp2":
+        extra = {"fsdp": "full_shard", "fsdp_config": {
+            "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+            "reshard_after_forward": True}}
+    args = TrainingArguments(folder, use_cpu=True, ddp_backend="gloo", max_steps=steps,
+                             per_device_train_batch_size=batch, gradient_accumulation_steps=2,
+                             learning_rate=1e-3, warmup_steps=2, weight_decay=0.1,
+                             max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                             report_to=[], disable_tqdm=True, seed=0, **extra)
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    if member.startswith("zs"):
+        return zeroshard.hf.Trainer(model=model, args=args, train_dataset=data,
+                                    zero={"stage": int(member[2])})
+    return Trainer(model=model, args=args, train_dataset=data)
+
+
+def _rank(pairs: list[str], folder: str, rounds: int, steps: int, batch: int) -> dict:
+    """On every rank: each pair's rounds; rank 0's step times and the losses."""
+    import torch.distributed as dist
+    import transformers
+    from transformers import TrainerCallback
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29500", HF_HUB_OFFLINE="1")
+    transformers.logging.set_verbosity_error()
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+    out = {}
+    for pair in pairs:
+        members = _members(pair)
+        times = {m: [] for m in members}
+        losses = {m: [] for m in members}
+        for r in range(rounds):
+            for member in (members if r % 2 == 0 else members[::-1]):
+                clock = Clock()
+                trainer = _trainer(member, folder, steps, batch)
+                trainer.add_callback(clock)
+                trainer.train()
+                times[member].append(clock.times)
+                losses[member].append([x["loss"] for x in trainer.state.log_history
+                                       if "loss" in x])
+                del trainer
+        out[pair] = {"times": times, "losses": losses}
+    return out
+
+
+def _summary(result: dict, warmup: int) -> dict:
+    members = list(result["times"])
+    a, b = (result["times"][m] for m in members)
+    ratios = [x / y for ra, rb in zip(a, b) for x, y in zip(ra[warmup:], rb[warmup:])]
+    rng = random.Random(0)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    loss = {m: statistics.mean(statistics.mean(r) for r in result["losses"][m]) for m in members}
+    return {"members": members,
+            "median_ms": {m: 1e3 * statistics.median(t for r in result["times"][m]
+                                                     for t in r[warmup:]) for m in members},
+            "ratio": statistics.median(ratios), "interval": (boots[50], boots[1949]),
+            "samples": len(ratios), "loss": loss,
+            "same_loss": abs(loss[members[0]] - loss[members[1]]) <= LOSS_TOL * abs(
+                loss[members[1]])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", default=",".join(PAIRS), help=f"default {','.join(PAIRS)}")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4, help="rounds per pair (default 4)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps a round (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="steps of a round not timed")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and micro-batch")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    pairs = [x.strip() for x in a.pairs.split(",") if x.strip()]
+    for pair in pairs:
+        _members(pair)
+    if a.warmup >= a.steps:
+        raise SystemExit("bench/trainers.py: --warmup must be below --steps")
+    import tempfile
+
+    from zeroshard.runtime.spawn import spawn
+
+    start = time.time()
+    with tempfile.TemporaryDirectory() as folder:
+        raw = spawn(_rank, a.nproc, pairs, folder, a.rounds, a.steps, a.batch,
+                    timeout=3600)[0]
+    summary = {pair: _summary(raw[pair], a.warmup) for pair in pairs}
+    print(f"bench/trainers.py: N = {a.nproc}, {a.rounds} rounds x {a.steps} steps "
+          f"({a.warmup} untimed), {a.batch} x 128 tokens per rank and micro-batch, "
+          f"2 micro-batches a step, {time.time() - start:.0f} s")
+    failed = False
+    for pair, s in summary.items():
+        m0, m1 = s["members"]
+        lo, hi = s["interval"]
+        print(f"{pair}: {m0} {s['median_ms'][m0]:.1f} ms, {m1} {s['median_ms'][m1]:.1f} ms "
+              f"a step; ratio {s['ratio']:.3f} (95% {lo:.3f}-{hi:.3f}, {s['samples']} steps); "
+              f"mean loss {s['loss'][m0]:.6f} vs {s['loss'][m1]:.6f}"
+              f"{'' if s['same_loss'] else '  <- the losses differ'}")
+        failed |= not s["same_loss"]
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "summary": summary}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
