@@ -8,18 +8,20 @@ Pairs: ``zs0:ddp`` (zeroshard.hf.Trainer at stage 0 against the Trainer's DDP of
 plain model) and ``zs3:fsdp2`` (stage 3 against the Trainer with accelerate's FSDP2
 plugin: ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``, a Llama decoder layer
 per FSDP unit, as zeroshard's default units; it runs on CPU over gloo). A Trainer runs a
-whole loop, so the members cannot alternate step by step as in ``paired.py``; they
-alternate by *rounds* instead: in every round each member trains a fresh model of the
-same initial weights on the same batches for ``--steps`` optimizer steps, the order
-swapped every round, all in the same processes. Step k of one member and step k of the
-other see the same global batch; their ratio is one sample (a Trainer callback times
-each optimizer step on rank 0, from ``on_step_begin`` to ``on_step_end``: the micro-batches'
-forward and backward, clipping, the step and the scheduler; the first ``--warmup``
-steps of each round are dropped). Reported per pair: each member's median step time,
-the median of the per-step ratios and a 95 % bootstrap interval for it (2,000
-resamples, seeded), and both members' training losses, which must agree (the pair
-trains the same function; a pair whose losses differ is reported and the command exits
-with status 1).
+whole loop, so the pair is run in *rounds*: in every round each member trains a fresh
+model of the same initial weights on the same batches for ``--steps`` optimizer steps, in the same
+processes, the two ``train()`` loops taking turns step by step (each in a thread of its
+own, a callback passing a baton at every step's end: one runs at a time, in the same
+order on every rank), the first member swapped every round. So step k of one member and
+step k of the other see the same global batch within a second of each other, and a slow
+spell of this shared machine falls on both; their ratio is one sample (a Trainer
+callback times each optimizer step on rank 0, from ``on_step_begin`` to
+``on_step_end``: the micro-batches' forward and backward, clipping, the step and the
+scheduler; the first ``--warmup`` steps of each round are dropped). Reported per pair:
+each member's median step time, the median of the per-step ratios and a 95 % bootstrap
+interval for it (2,000 resamples, seeded), and both members' training losses, which
+must agree (the pair trains the same function; a pair whose losses differ is reported
+and the command exits with status 1).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _trainer(member: str, folder: str, steps: int, batch: int):
     args = TrainingArguments(folder, use_cpu=True, ddp_backend="gloo", max_steps=steps,
                              per_device_train_batch_size=batch, gradient_accumulation_steps=2,
                              learning_rate=1e-3, warmup_steps=2, weight_decay=0.1,
-                             max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                             max_grad_norm=1.0, logging_steps=steps, save_strategy="no",
                              report_to=[], disable_tqdm=True, seed=0, **extra)
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
     if member.startswith("zs"):
@@ -84,41 +86,85 @@ def _rank(pairs: list[str], folder: str, rounds: int, steps: int, batch: int) ->
     """On every rank: each pair's rounds; rank 0's step times and the losses."""
     import torch.distributed as dist
     import transformers
-    from transformers import TrainerCallback
 
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT="29500", HF_HUB_OFFLINE="1")
     transformers.logging.set_verbosity_error()
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.times: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t0)
-
     out = {}
     for pair in pairs:
         members = _members(pair)
         times = {m: [] for m in members}
         losses = {m: [] for m in members}
         for r in range(rounds):
-            for member in (members if r % 2 == 0 else members[::-1]):
-                clock = Clock()
-                trainer = _trainer(member, folder, steps, batch)
-                trainer.add_callback(clock)
-                trainer.train()
-                times[member].append(clock.times)
+            order = members if r % 2 == 0 else members[::-1]
+            trainers = [_trainer(m, folder, steps, batch) for m in order]
+            for member, (clock, trainer) in zip(order, _in_turns(trainers)):
+                times[member].append(clock)
                 losses[member].append([x["loss"] for x in trainer.state.log_history
                                        if "loss" in x])
-                del trainer
         out[pair] = {"times": times, "losses": losses}
     return out
+
+
+def _in_turns(trainers: list) -> list:
+    """Train the trainers step by step in turns: each ``train()`` runs in a thread of its
+    own, and a callback passes a baton at every ``on_step_end`` and waits for it to come
+    back, so exactly one trainer runs at any moment, step k of the first, then step k of
+    the second, in the same order on every rank (their collectives pair up across ranks).
+    Returns each trainer's step times (``on_step_begin`` to ``on_step_end``)."""
+    import threading
+
+    from transformers import TrainerCallback
+
+    turns = [threading.Event() for _ in trainers]
+    finished = [False] * len(trainers)
+
+    def pass_baton(k: int) -> None:
+        nxt = next(((k + j) % len(trainers) for j in range(1, len(trainers) + 1)
+                    if not finished[(k + j) % len(trainers)]), None)
+        if nxt is not None:
+            turns[nxt].set()
+
+    class Baton(TrainerCallback):
+        def __init__(self, k: int):
+            self.k, self.times = k, []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+            if state.global_step < state.max_steps:  # the last step keeps the baton
+                turns[self.k].clear()
+                pass_baton(self.k)
+                turns[self.k].wait()
+
+    batons = [Baton(k) for k in range(len(trainers))]
+    errors: list = []
+
+    def run(k: int) -> None:
+        turns[k].wait()
+        try:
+            trainers[k].add_callback(batons[k])
+            trainers[k].train()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append(exc)
+        finally:
+            turns[k].clear()
+            finished[k] = True
+            pass_baton(k)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(trainers))]
+    for t in threads:
+        t.start()
+    turns[0].set()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [(b.times, t) for b, t in zip(batons, trainers)]
 
 
 def _summary(result: dict, warmup: int) -> dict:
