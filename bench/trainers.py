@@ -5,9 +5,12 @@ step-time ratio with a confidence interval.
     python bench/trainers.py --pairs zs3:fsdp2 --rounds 5 --steps 30
 
 Pairs: ``zs0:ddp`` (zeroshard.hf.Trainer at stage 0 against the Trainer's DDP of the
-plain model) and ``zs3:fsdp2`` (stage 3 against the Trainer with accelerate's FSDP2
-plugin: ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``, a Llama decoder layer
-per FSDP unit, as zeroshard's default units; it runs on CPU over gloo). A Trainer runs a
+plain model) and ``zs3:fsdp2`` (stage 3 against the Trainer over torch's FSDP2, a Llama
+decoder layer per unit as zeroshard's default units). The Trainer's own FSDP2 route,
+accelerate's plugin (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``), does
+not run on CPU: accelerate turns FSDP on for multi-GPU types only and trains DDP instead,
+silently; so the FSDP2 member is the stock Trainer over ``fully_shard``, through the
+same hook zeroshard.hf uses (``_fsdp2_trainer``). ``zs3:ddp`` is a third pair. A Trainer runs a
 whole loop, so the pair is run in *rounds*: in every round each member trains a fresh
 model of the same initial weights on the same batches for ``--steps`` optimizer steps, in the same
 processes, the two ``train()`` loops taking turns step by step (each in a thread of its
@@ -27,6 +30,7 @@ and the command exits with status 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -46,7 +50,7 @@ MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden
 
 def _members(pair: str) -> list[str]:
     members = pair.split(":")
-    known = {"zs0", "zs1", "zs2", "zs3", "ddp", "fsdp2"}
+    known = {"zs0", "zs1", "zs2", "zs3", "ddp", "fsdp2"}  # any two
     if len(members) != 2 or not set(members) <= known:
         raise SystemExit(f"bench/trainers.py: --pairs {pair!r}: expected two of "
                          f"{', '.join(sorted(known))} joined by ':'")
@@ -65,21 +69,63 @@ def _trainer(member: str, folder: str, steps: int, batch: int):
     n = 2 * batch * steps * int(os.environ["WORLD_SIZE"])
     ids = torch.randint(0, MODEL["vocab_size"], (n, 128),
                         generator=torch.Generator().manual_seed(1)).tolist()
-    extra = {}
-    if member == "fsdp2":
-        extra = {"fsdp": "full_shard", "fsdp_config": {
-            "fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            "reshard_after_forward": True}}
     args = TrainingArguments(folder, use_cpu=True, ddp_backend="gloo", max_steps=steps,
                              per_device_train_batch_size=batch, gradient_accumulation_steps=2,
                              learning_rate=1e-3, warmup_steps=2, weight_decay=0.1,
                              max_grad_norm=1.0, logging_steps=steps, save_strategy="no",
-                             report_to=[], disable_tqdm=True, seed=0, **extra)
+                             report_to=[], disable_tqdm=True, seed=0)
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
     if member.startswith("zs"):
         return zeroshard.hf.Trainer(model=model, args=args, train_dataset=data,
                                     zero={"stage": int(member[2])})
+    if member == "fsdp2":
+        return _fsdp2_trainer(Trainer)(model=model, args=args, train_dataset=data)
     return Trainer(model=model, args=args, train_dataset=data)
+
+
+def _fsdp2_trainer(trainer_cls):
+    """The stock Trainer over torch's FSDP2 (``fully_shard`` on each decoder layer, then
+    the root: zeroshard's default units), where accelerate cannot: on CPU it ignores its
+    FSDP plugin (``AcceleratorState`` turns FSDP on for multi-GPU types only) and trains
+    DDP instead, silently (``fsdp="full_shard"`` with ``use_cpu=True``: the model comes
+    back in ``DistributedDataParallel``). It takes the hook zeroshard.hf takes: a model
+    from ``_wrap_model`` other than ``self.model`` is not prepared (no DDP); accumulation
+    defers FSDP2's reduction as accelerate's ``no_sync`` does for FSDP2
+    (``set_requires_gradient_sync``); accelerate clips the DTensor gradients by their
+    global norm."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    class Outside(nn.Module):
+        """What ``_wrap_model`` returns: the FSDP2 model, and its ``no_sync``."""
+
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+
+    class FSDP2Trainer(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            for layer in self.model.model.layers:
+                fully_shard(layer)
+            fully_shard(self.model)
+            self.model_wrapped = Outside(self.model)
+
+        def _wrap_model(self, model, training=True, dataloader=None):
+            return self.model_wrapped
+
+    return FSDP2Trainer
 
 
 def _rank(pairs: list[str], folder: str, rounds: int, steps: int, batch: int) -> dict:
