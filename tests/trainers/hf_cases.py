@@ -114,6 +114,33 @@ def outputs(folder: str) -> dict:
             "predict_shape": tuple(p_mine.predictions.shape)}
 
 
+def best_model(folder: str) -> dict:
+    """``load_best_model_at_end``: evaluated and saved every 2 steps of 6, the run ends
+    with the best checkpoint's weights read back into the shards; against DDP's."""
+    kw = dict(max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+              save_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+              learning_rate=5e-2)
+    from transformers import Trainer
+
+    from zeroshard.hf import Trainer as ZeroTrainer
+
+    evals = m.data(8, seed=4)
+    out = {}
+    for name, cls, zero in (("ddp", Trainer, None), ("zs", ZeroTrainer, {"stage": 3})):
+        m.join_world()
+        extra = {} if zero is None else {"zero": zero}
+        t = cls(model=m.llama(), args=m.args(os.path.join(folder, f"best-{name}"), **kw),
+                train_dataset=m.data(), eval_dataset=evals, **extra)
+        t.train()
+        weights = (t.zs_model.full_state_dict() if zero else
+                   {k: v.detach().clone() for k, v in t.model.state_dict().items()})
+        out[name] = {"best": os.path.basename(t.state.best_model_checkpoint),
+                     "evals": [x["eval_loss"] for x in t.state.log_history
+                               if "eval_loss" in x], "weights": weights}
+    out["weights"] = m.weights_diff(out["zs"].pop("weights"), out["ddp"].pop("weights"))
+    return out
+
+
 #: A DeepSpeed config as Hugging Face's examples write them: "auto" wherever the Trainer
 #: fills a value, and keys zeroshard does not act on.
 DS_AUTO = {
@@ -269,6 +296,7 @@ def main_grid(folder: str) -> dict:
     _run(results, "accumulation", accumulation, folder)
     _run(results, "resume", resume, folder)
     _run(results, "outputs", outputs, folder)
+    _run(results, "best", best_model, folder)
     _run(results, "deepspeed", deepspeed, folder)
     _run(results, "peft", peft_checkpointing, folder, (0, 3))
     _run(results, "sft", sft, folder, (0, 3))

@@ -81,6 +81,15 @@ def test_save_model_evaluate_and_predict(grid):
 
 
 @pytest.mark.dist
+def test_load_best_model_at_end(grid):
+    r = ok(grid["best"])
+    assert r["zs"]["best"] == r["ddp"]["best"]
+    assert r["zs"]["evals"] == pytest.approx(r["ddp"]["evals"], rel=1e-6)
+    assert r["zs"]["evals"].index(min(r["zs"]["evals"])) < 2  # the best is not the last
+    assert r["weights"] <= WEIGHTS  # the best checkpoint's weights, as DDP ends with
+
+
+@pytest.mark.dist
 def test_deepspeed_json_with_auto_values(grid):
     r = ok(grid["deepspeed"])
     _matches(r["plain"])
