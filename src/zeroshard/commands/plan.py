@@ -232,7 +232,7 @@ def deepspeed_flags(args) -> None:
     for name, value in wanted.items():
         given = getattr(args, name)
         if given in (None, False, DEFAULT_RECIPE) or given == value or (
-                name == "strategy" and stage_of(given) == zero.stage):
+                name == "strategy" and STRATEGIES[stage_of(given)] == value):
             if value not in (None, False):
                 setattr(args, name, value)
             continue

@@ -103,7 +103,7 @@ def _from_deepspeed(ds: dict, args, model) -> Resolved:
     for key, value, hf_key, must in _trainer_values(args):
         fill(ds, key, value, hf_key, mismatches, must)
     _fill_hidden(ds, model)
-    if _get(ds, "zero_optimization.stage") != 3:  # DeepSpeed reads stage3_* at stage 3 only
+    if not _zero3(ds):  # DeepSpeed reads stage3_* at stage 3 only
         for key in _HIDDEN_KEYS[1:]:
             if _get(ds, key) == "auto":
                 del ds["zero_optimization"][key.split(".")[1]]
@@ -183,9 +183,18 @@ def _fill_hidden(ds: dict, model) -> None:
                          "from; give them values")
     unused: list[str] = []
     fill(ds, _HIDDEN_KEYS[0], h * h, "", unused, False)
-    if _get(ds, "zero_optimization.stage") == 3:
+    if _zero3(ds):
         fill(ds, _HIDDEN_KEYS[1], int(0.9 * h * h), "", unused, False)
         fill(ds, _HIDDEN_KEYS[2], 10 * h, "", unused, False)
+
+
+def _zero3(ds: dict) -> bool:
+    """``HfTrainerDeepSpeedConfig.is_zero3``, asked of the policy: whether the config's
+    stage shards the parameters (an unreadable stage: no; the translator names it)."""
+    try:
+        return ZeroConfig(stage=_get(ds, "zero_optimization.stage") or 0).policy.shards_params
+    except ValueError:
+        return False
 
 
 def _hidden_size(config) -> int | None:

@@ -292,7 +292,7 @@ def _check_steppable(optimizer, model: ShardedModel, optim: str) -> None:
     (``spec/optimizers.py``)."""
     inner = ckpt.unwrap_optimizer(optimizer)
     name = type(inner).__name__
-    if model.stage == 0 or name in ELEMENTWISE or dist.get_world_size() == 1:
+    if not model.policy.checks_elementwise or name in ELEMENTWISE or dist.get_world_size() == 1:
         return
     ours = name in STEPPED and type(inner).__module__.startswith(("torch.optim", "zeroshard."))
     if name in REFUSED or (name in STEPPED and not ours):

@@ -19,6 +19,10 @@ Saving. safetensors cannot write a DTensor: ``save_pretrained`` on a module hold
 released parameters would fail deep inside ("Attempted to access the data pointer on an
 invalid python storage"), after writing its config. Such a module's ``save_pretrained``
 refuses up front instead, naming how to write the full weights.
+
+Wrapping. torch DDP around the sharded model (transformers' Trainer and accelerate put
+any model they are handed in it) would all-reduce the shards' gradients again, after the
+engine reduced them, and train another model: :class:`RefusesDDP` stops it in one line.
 """
 
 from __future__ import annotations
@@ -31,6 +35,23 @@ from torch.distributed.tensor import DTensor
 
 from ..unit.dtensor import held, local_rows
 from .dtensor import owners
+
+
+class RefusesDDP:
+    """A base of the sharded model: ``DistributedDataParallel.__init__`` reads
+    ``_ddp_params_and_buffers_to_ignore`` of the module it wraps
+    (``torch/nn/parallel/distributed.py``), so DDP around a sharded model stops there, at
+    construction, before any step (``hasattr`` passes on any error but AttributeError)."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        raise ValueError(
+            "zeroshard: a ShardedModel cannot be wrapped in torch DistributedDataParallel "
+            "(by transformers' Trainer, accelerate, Lightning's DDP or by hand): it reduces "
+            "its own gradients, and DDP would reduce them again and train another model; "
+            "with Hugging Face's Trainer use zeroshard.hf.Trainer(model=<the unsharded "
+            "model>, zero=...), with Lightning strategy='zeroshard', in a loop of your own "
+            "call the sharded model itself")
 
 
 class ModuleGuard:

@@ -44,11 +44,11 @@ from ..step.optim import register_for_step_hooks
 from ..step.stepping import Stepper
 from ..tpmesh import check_mesh, check_tp_params
 from . import adapters, dtensor, readout
-from .guard import ModuleGuard
+from .guard import ModuleGuard, RefusesDDP
 from .hooks import PassHooks
 
 
-class ShardedModel(nn.Module):
+class ShardedModel(RefusesDDP, nn.Module):
     """A model whose training state is sharded per :class:`ZeroConfig`.
 
     ``parameters()`` yields what this rank's optimizer owns: shards under the original
@@ -146,20 +146,6 @@ class ShardedModel(nn.Module):
             if module is None:
                 raise
             return getattr(module, name)
-
-    @property
-    def _ddp_params_and_buffers_to_ignore(self):
-        """Refuses torch DDP around a sharded model: ``DistributedDataParallel.__init__``
-        reads this attribute of the module it wraps (``torch/nn/parallel/distributed.py``),
-        so Hugging Face's Trainer, accelerate and Lightning's DDP stop here, before their
-        first step, instead of all-reducing the shards' gradients again."""
-        raise ValueError(
-            "zeroshard: a ShardedModel cannot be wrapped in torch DistributedDataParallel "
-            "(by transformers' Trainer, accelerate, Lightning's DDP or by hand): it reduces "
-            "its own gradients, and DDP would reduce them again and train another model; "
-            "with Hugging Face's Trainer use zeroshard.hf.Trainer(model=<the unsharded "
-            "model>, zero=...), with Lightning strategy='zeroshard', in a loop of your own "
-            "call the sharded model itself")
 
     @contextlib.contextmanager
     def no_sync(self):
