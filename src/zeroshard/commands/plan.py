@@ -16,6 +16,7 @@ examples:
   zeroshard plan --model llama2-70b --gpus 8 --offload optimizer --time
   zeroshard plan --model llama2-70b --gpus 8 --offload optimizer --offload-dir --time
   zeroshard plan --model llama2-70b --gpus 64 --hpz 8 --quantize-weights --quantize-grads
+  zeroshard plan --hf-config path/to/config.json --deepspeed ds_config_zero3.json
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from .._jsonfile import read_json_object
 from ..plan import render
 from ..plan.advice import MAX_PARAMS
 from ..plan.arch import PRESETS, Architecture, ModelSpec, get_preset
@@ -30,7 +32,7 @@ from ..plan.comm import uses_zeropp
 from ..plan.hfconfig import KINDS, from_hf_config
 from ..plan.layout import check_layout
 from ..plan.memory import STRATEGIES, Workload, stage_of
-from ..spec.config import PLANNED_DISK, ZeroConfig
+from ..spec.config import PLANNED_DISK, ZeroConfig, is_deepspeed
 from ..spec.dims import ParallelDims
 from ..spec.formulas import QUANT_BLOCK, SUB_GROUP_SIZE
 from ..spec.optimizers import OPTIMIZERS
@@ -67,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replicate across the N / K groups; 'node': --gpus-per-node / --tp "
                         "(default: plain, over all N); bytes are split inside/across groups")
     h.add_argument("--gib", action="store_true", help="every figure in GiB instead of GB")
+    h.add_argument("--deepspeed", "--config", metavar="FILE", dest="deepspeed",
+                   help="a DeepSpeed config (a Trainer's --deepspeed JSON, \"auto\" values and "
+                        "all) or a ZeroConfig JSON: its stage is --strategy; bf16/fp16, "
+                        "offload, MiCS, hpZ and quantization set those flags")
     h.add_argument("--precision", default=DEFAULT_RECIPE, metavar="RECIPE",
                    help=f"one of {', '.join(RECIPES)}, or custom bytes W/G/O "
                         f"(default {DEFAULT_RECIPE})")
@@ -201,6 +207,46 @@ def plan_config(args) -> ZeroConfig:
     return config
 
 
+def deepspeed_flags(args) -> None:
+    """``--deepspeed FILE``: the flags a config sets, read through zeroshard's translator
+    (``ZeroConfig.load``, ``spec/deepspeed.py``), which names the keys it ignores in one
+    warning. ``"auto"`` values are the Trainer's to fill (batch sizes, bucket sizes,
+    precision): they are left to the flags. A flag given beside the file for the same
+    setting, with another value, is an error."""
+    if not args.deepspeed:
+        return
+    data = _without_auto(read_json_object(args.deepspeed, "--deepspeed"))
+    trainer = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+               "train_batch_size", "gradient_clipping", "optimizer", "scheduler",
+               "steps_per_print", "wall_clock_breakdown")
+    zero = (ZeroConfig.from_deepspeed(data, handled=trainer) if is_deepspeed(data)
+            or any(k in data for k in trainer) else ZeroConfig.load(data))
+    halves = [h for h in ("bf16", "fp16") if isinstance(data.get(h), dict)
+              and isinstance(data[h].get("enabled"), bool)]
+    wanted = {"strategy": STRATEGIES[zero.stage], "offload": zero.offload,
+              "offload_dir": zero.offload_dir is not None, "hpz": zero.secondary_group,
+              "shard_group": None if zero.shard_group is None else str(zero.shard_group),
+              "quantize_weights": zero.quantize_weights, "quantize_grads": zero.quantize_grads}
+    if halves or "mixed_precision" in data:
+        wanted["precision"] = zero.recipe.name
+    for name, value in wanted.items():
+        given = getattr(args, name)
+        if given in (None, False, DEFAULT_RECIPE) or given == value or (
+                name == "strategy" and STRATEGIES[stage_of(given)] == value):
+            if value not in (None, False):
+                setattr(args, name, value)
+            continue
+        raise ValueError(f"--{name.replace('_', '-')}={given} contradicts --deepspeed="
+                         f"{args.deepspeed}, which sets {value!r}; give one")
+
+
+def _without_auto(data):
+    """``data`` without its ``"auto"`` values (at any depth)."""
+    if isinstance(data, dict):
+        return {k: _without_auto(v) for k, v in data.items() if v != "auto"}
+    return data
+
+
 def _check_for_table(args, config: ZeroConfig) -> None:
     """What the plan table (with ``--min-gpus``, ``--sweep``) cannot take."""
     if config.secondary_group is not None and args.min_gpus:
@@ -243,6 +289,7 @@ def run(args) -> int:
     if args.list_models:
         render.models(PRESETS)
         return 0
+    deepspeed_flags(args)
     check_flags(args)
     sweep = sweep_counts(args.sweep)
     model = resolve_model(args)

@@ -190,6 +190,22 @@ class ShardedModel(nn.Module):
         """The ZeRO stage (for reports; the engine asks ``policy``)."""
         return self.policy.stage
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """torch DDP around a sharded model (transformers' Trainer and accelerate put any
+        model they are handed in it) would all-reduce the shards' gradients again, after
+        the engine reduced them, and train another model. ``DistributedDataParallel``
+        reads this attribute of the module it wraps at construction
+        (``torch/nn/parallel/distributed.py``; ``hasattr`` lets any error but
+        AttributeError through), so DDP stops here, before any step, in one line."""
+        raise ValueError(
+            "zeroshard: a ShardedModel cannot be wrapped in torch DistributedDataParallel "
+            "(by transformers' Trainer, accelerate, Lightning's DDP or by hand): it reduces "
+            "its own gradients, and DDP would reduce them again and train another model; "
+            "with Hugging Face's Trainer use zeroshard.hf.Trainer(model=<the unsharded "
+            "model>, zero=...), with Lightning strategy='zeroshard', in a loop of your own "
+            "call the sharded model itself")
+
     # -- the training loop ----------------------------------------------------------
     def forward(self, *args, **kwargs):
         if self.events.listeners:
