@@ -265,8 +265,8 @@ def refused_optimizer(folder: str) -> dict:
 
 def stock_trainer(folder: str, stage: int) -> dict:
     """transformers' own Trainer handed a sharded model: one error naming zeroshard before
-    any step (the DDP it would put around the model), or transformers' own column check,
-    which stops it earlier still; the weights stay as they were."""
+    any step (the DDP it would put around the model), whichever way its data comes; the
+    weights stay as they were."""
     from transformers import Trainer
 
     import zeroshard as zs

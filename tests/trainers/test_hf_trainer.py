@@ -137,12 +137,11 @@ def test_stock_trainer_with_a_sharded_model_stops_before_any_step(grid, stage):
     r = ok(grid[f"stock{stage}"])
     zeroshard = ("ValueError: zeroshard: a ShardedModel cannot be wrapped in torch "
                  "DistributedDataParallel")
-    # the issue's runs (columns kept; plain examples): one line naming zeroshard.hf.Trainer
-    for case in ("columns kept", "examples"):
+    # the issue's runs (columns kept; plain examples), and a datasets.Dataset with the
+    # default remove_unused_columns (the sharded model's forward shows the module's
+    # signature, so the Trainer keeps the columns it names): one line naming
+    # zeroshard.hf.Trainer, before any step
+    for case in ("columns kept", "examples", "datasets default"):
         assert r[case]["line"].startswith(zeroshard), r[case]
         assert "zeroshard.hf.Trainer" in r[case]["line"]
-    # a datasets.Dataset with the default remove_unused_columns: transformers' own check
-    # of the forward's signature stops it earlier still
-    assert r["datasets default"]["line"].startswith(
-        "ValueError: No columns in the dataset match the model's forward method signature")
     assert all(v["moved"] == 0.0 for v in r.values())  # no step was taken

@@ -5,6 +5,8 @@ methods, and what it gives out (full weights, bytes held).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -109,6 +111,29 @@ def memory(model, optimizer=None, by_placement: bool = False) -> dict:
 # ``hooks.py``, the stepper); its public methods are ``nn.Module``'s and a few more.
 # ----------------------------------------------------------------------------------------
 
+class _SignedForward:
+    """``ShardedModel.forward``: the model's forward, under the wrapped module's signature.
+    Code that reads the signature to pick its inputs — transformers' Trainer drops every
+    dataset column its model's ``forward`` does not name (``_set_signature_columns_if_
+    needed`` in ``trainer.py``) — found ``(*args, **kwargs)`` and named nothing. Each
+    access gives ``_forward`` bound to the model with the module's ``__signature__``,
+    read once per model."""
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return owner._forward
+        signature = model.__dict__.get("_forward_signature")
+        if signature is None:
+            try:
+                signature = inspect.signature(model.module.forward)
+            except (TypeError, ValueError):  # a forward torch cannot describe (a builtin)
+                signature = inspect.signature(owner._forward)
+            model.__dict__["_forward_signature"] = signature
+        bound = functools.partial(owner._forward, model)
+        bound.__signature__ = signature
+        return bound
+
+
 class ShardedModel(nn.Module):
     """A model whose training state is sharded per :class:`ZeroConfig`.
 
@@ -207,11 +232,13 @@ class ShardedModel(nn.Module):
             "call the sharded model itself")
 
     # -- the training loop ----------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def _forward(self, *args, **kwargs):
         if self.events.listeners:
             with self.events.forward_context():
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+    forward = _SignedForward()
 
     def __getattr__(self, name: str):
         """The wrapped module's attributes and methods (``generate``, ``config``,
