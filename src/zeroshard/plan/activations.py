@@ -38,8 +38,8 @@ dropped probabilities (``12·a·s``) and the output copied for the output projec
 (``b·q``); without flash, transformers' eager path adds the mask and the dropped
 probabilities (``a·s·(m + b)``). Measured on CPU with the profiler for every family at
 two sequence lengths and two micro-batches, fp32 and bf16, flash and eager, in
-``tests/test_plan_activations.py`` (within 2 %); GPT-2 with dropout in a profiled
-``zeroshard train --hf-model`` run (``tests/test_plan_peak.py``).
+``tests/plan/test_activations.py`` (within 2 %); GPT-2 with dropout in a profiled
+``zeroshard train --hf-model`` run (``tests/plan/test_peak.py``).
 
 Checkpointing (``Workload.checkpoint_every`` k; torchtitan's per-layer selective
 activation checkpointing, ``selective_ac_option = k``): every k-th block keeps only its

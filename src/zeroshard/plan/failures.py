@@ -31,7 +31,7 @@ saves that are not short beside ``M``: ``τ = sqrt(2CM) · (1 + sqrt(C / 2M) / 3
 in whole steps.
 
 The checkpoint is what ``zeroshard train`` writes (``checkpoint/savedir.py``'s
-``checkpoint_bytes``, held equal by ``tests/test_plan_restart.py``): the fp32 master
+``checkpoint_bytes``, held equal by ``tests/plan/test_failures.py``): the fp32 master
 rows (the weights where there is no master) and the optimizer state.
 """
 

@@ -2,7 +2,7 @@
 
 Each family reads the fields its transformers model class reads, with the same
 defaults, so the parameter count is the one transformers builds (checked in
-``tests/test_plan_arch.py`` against the models built on the meta device):
+``tests/plan/test_arch.py`` against the models built on the meta device):
 
 - llama: ``attention_bias`` puts biases on q, k, v and o; ``mlp_bias`` on gate, up, down;
 - mistral: no biases;

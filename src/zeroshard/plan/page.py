@@ -11,7 +11,7 @@ strategies and the search limit are dumped here from the Python definitions, and
 what each stage means (``policies``: ``ShardPolicy.as_dict`` per stage, and the stages
 each offload takes), which the scripts read instead of comparing stage numbers; the
 formulas in ``page/planner.js`` mirror :mod:`.state`, :mod:`.comm`, :mod:`.memory` and
-:mod:`.advice` function by function (``tests/test_page.py`` drives the page in a
+:mod:`.advice` function by function (``tests/plan/test_page.py`` drives the page in a
 browser and compares exactly).
 """
 

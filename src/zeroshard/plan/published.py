@@ -5,7 +5,7 @@ FSDP (ZeRO-3) on a number of GPUs, its micro-batch, sequence length and checkpoi
 and the tokens per second per GPU it reached. :func:`replay` predicts each row with
 :func:`~zeroshard.plan.steptime.step_time` on the run's accelerator preset and returns
 the signed error, so the efficiencies in ``hardware.ACCELERATORS`` can be held against
-the table (``tests/test_plan_published.py``).
+the table (``tests/plan/test_published.py``).
 
 Sources (every figure below is copied from them):
 

@@ -20,7 +20,7 @@ collective per call, n + 4⌈n/B⌉ bytes per slot (1 + 4/B bytes per element, n
 
 [Note: quantized on gloo] torch 2.13's gloo runs ``all_to_all_single`` (even splits) and
 ``all_gather_single`` on int8 CPU tensors, as NCCL does on CUDA, so qgZ is a real
-all-to-all on both; checked by ``tests/test_quantize.py``.
+all-to-all on both; checked by ``tests/engine/test_quantize.py``.
 """
 
 from __future__ import annotations

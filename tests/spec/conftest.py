@@ -1,0 +1,1 @@
+"""The spec's tests: ``ZeroConfig``, its rules and the ``ShardPolicy``, torch-free."""
