@@ -230,3 +230,34 @@ def test_the_planner_page_reads_the_policy_table():
     for path in (PKG / "plan" / "page").glob("*.js"):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             assert not compare.search(line), f"{path}:{number} compares a stage: {line.strip()}"
+
+
+def _documented_tree() -> set[str]:
+    """The module paths (relative to the package) the tree of docs/architecture.md lists:
+    each folder line (``name/``) opens a level at its indentation, each ``name.py`` line
+    names a module in the folders open above it."""
+    text = (SRC.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## The tree", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    listed, folders = set(), []  # folders: (indentation, name)
+    for line in block.splitlines():
+        if not line.strip() or line.strip() == "src/zeroshard/":
+            continue
+        indent = len(line) - len(line.lstrip())
+        word = line.split()[0]
+        if not (word.endswith("/") or word.endswith(".py")):
+            continue  # a description's second line
+        folders = [(i, n) for i, n in folders if i < indent]
+        if word.endswith("/"):
+            folders.append((indent, word[:-1]))
+        else:
+            listed.add("/".join([n for _, n in folders] + [word]))
+    return listed
+
+
+def test_the_architecture_page_lists_every_module():
+    """docs/architecture.md's tree names every module of the package, in its folder, and
+    no module that is not there (a package's ``__init__.py`` aside)."""
+    actual = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+              if p.name != "__init__.py" or p.parent == PKG}
+    listed = _documented_tree()
+    assert listed == actual, (sorted(actual - listed), sorted(listed - actual))
