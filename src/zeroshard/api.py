@@ -40,10 +40,6 @@ def shard(model: nn.Module, stage: int | None = None, *, config=None, group=None
     if next(model.parameters(), None) is None:
         raise ValueError(f"zs.shard(): {type(model).__name__} has no parameters, so there is "
                          "nothing to shard; shard the module that holds the weights")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"zs.shard(): every parameter of {type(model).__name__} is frozen "
-                         "(requires_grad=False), so no backward or optimizer step can use it; "
-                         "unfreeze the ones to train (p.requires_grad_(True)) before zs.shard")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed={_short(seed)}; expected an integer")
     try:

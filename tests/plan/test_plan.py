@@ -71,6 +71,22 @@ def test_7b_table_text(capsys):
                 "ZeRO-3   │    1.68 │  1.68 │ 10.11 │ 0.822 │    14.30 │   35.38 │  1.50x"):
         assert row in text
     assert "first fit on 8 GPUs: ZeRO-1" in text
+    # generate() at stage 3 with the weights gathered once: the full bf16 weights, 2P
+    assert ("generate() at ZeRO-3 with the weights gathered once: +13.48 per GPU beside "
+            "the state's 13.48 (26.95, before the generation's activations)"
+            in " ".join(text.split()))
+
+
+def test_generation_gathers_the_full_compute_weights_at_stage_3_only():
+    """2 bytes a parameter under bf16 (4 in fp32), of the GPU's 1/tp; 0 below stage 3."""
+    from zeroshard.plan.memory import generate_gather_bytes
+
+    p = 6_738_149_376
+    model = ModelSpec("custom", p, 4096, 32)
+    bf16 = ZeroConfig(stage=3, mixed_precision="bf16")
+    assert generate_gather_bytes(model, ParallelDims(8), bf16) == 2 * p
+    assert generate_gather_bytes(model, ParallelDims(64), ZeroConfig(stage=3)) == 4 * p
+    assert generate_gather_bytes(model, ParallelDims(8), ZeroConfig(stage=2)) == 0
 
 
 def test_7b_at_24_gb_first_fit_is_zero3(capsys):

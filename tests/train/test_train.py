@@ -222,6 +222,7 @@ ENGINE_FLAGS = {
     "broadcast_buffers": (["--no-broadcast-buffers"], False),
     "check_collectives": (["--no-check-collectives"], False),
     "nonfinite": (["--nonfinite", "raise"], "raise"),
+    "generate_gather": (["--generate-gather", "unit"], "unit"),
     "shard_group": (["--shard-group", "2"], 2),
     "secondary_group": (["--secondary-group", "1"], 1),
     "quantize_weights": (["--quantize-weights"], True),

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from ..plan import advice, render
 from ..plan.arch import ModelSpec
 from ..plan.comm import uses_zeropp, zeropp_dict
-from ..plan.memory import STRATEGIES, plan_all
+from ..plan.memory import STRATEGIES, generate_gather_bytes, plan_all
 from ..plan.peak import peak
 from ..plan.placement import disk_io_bytes, pcie_bytes
 from ..spec.config import ZeroConfig
@@ -83,6 +83,7 @@ def json_out(args, model, dims, config, work, budget, shown, r: Result) -> None:
         "trainable": model.trainable,
         "strategies": [{**p.as_dict(), "peak": q and q.as_dict()}
                        for p, q in zip(r.plans, r.peaks) if p.strategy in shown],
+        "generate_gather_bytes": generate_gather_bytes(model, dims, config.at_stage(3)),
     }
     if args.offload:
         out["offload"], out["gpus_per_node"] = args.offload, args.gpus_per_node
@@ -147,6 +148,7 @@ def text_out(args, model, dims, config, work, budget, shown, unit, r: Result) ->
                     "and the optimizer step): " + "; ".join(
                         f"{p.strategy} {render._fmt(q.bytes, unit)} at the {q.moment}"
                         for p, q in zip(r.plans, r.peaks) if p.strategy in shown))
+    _generate_line(model, dims, config, r, shown, unit)
     if r.fit is None:
         plain = _plain(config)
         render.line(advice.why_none_fits(model, dims, plain, budget, work))
@@ -165,6 +167,19 @@ def text_out(args, model, dims, config, work, budget, shown, unit, r: Result) ->
         render.time_table(r.times, r.plans, shown, args)
         if args.save_every or args.mtbf_hours:
             render.line(_restarts(args, model, dims, config, r, shown)[1])
+
+
+def _generate_line(model, dims, config, r: Result, shown, unit) -> None:
+    """At ZeRO-3, what ``model.generate()`` adds with the weights gathered once."""
+    three = next((p for p in r.plans if p.strategy == "ZeRO-3"), None)
+    if three is None or three.strategy not in shown:
+        return
+    extra = generate_gather_bytes(model, dims, config.at_stage(3))
+    state = three.weights + three.grads + three.optimizer
+    render.line(f"generate() at ZeRO-3 with the weights gathered once: +"
+                f"{render._fmt(extra, unit)} per GPU beside the state's "
+                f"{render._fmt(state, unit)} ({render._fmt(state + extra, unit)}, before the "
+                "generation's activations); unit by unit where that does not fit")
 
 
 def write_html(args, model: ModelSpec, config: ZeroConfig) -> None:

@@ -69,6 +69,9 @@ _ENGINE_FLAGS = {
                         "memory at the step (disk offload)"),
     "sub_group_size": dict(metavar="N", help="disk offload: elements stepped at once (the host "
                            "holds two sub-groups)"),
+    "generate_gather": dict(metavar="{auto,whole,unit}", help="stage 3: the end-of-run "
+                            "sample's weights gathered once for it, or unit by unit at "
+                            "every token; auto: once where they fit"),
     "nonfinite": dict(metavar="{raise,skip,ignore}", shown="skip, stopping after "
                       "--max-skipped consecutive skips", help="a step whose reduced gradients "
                       "hold a NaN or inf, on every rank alike"),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
+from ..spec.formulas import ceil_div
 from .arch import ModelSpec
 from .comm import (  # noqa: F401 - re-exported: the planner's communication model
     QUANT_BLOCK,
@@ -198,6 +199,17 @@ def plan_strategy(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,
         budget, dims.tp, tp_comm_bytes(model, recipe, work, dims.tp), dims.shard,
         levels["across"], placed.offload, placed if placed.offload else None, kept,
         levels.get("secondary", 0), config)
+
+
+def generate_gather_bytes(model: ModelSpec, dims: ParallelDims, config: ZeroConfig) -> int:
+    """What generating with the weights gathered once adds per GPU at stage 3
+    (``ZeroConfig.generate_gather``: "whole"; [Note: generation] in ``runtime/cycle.py``):
+    the full weights of this GPU's 1/tp in the compute dtype, held for the generation
+    beside the training state (0 below stage 3, whose weights are whole already)."""
+    check_layout(dims, config)
+    if not config.policy.shards_params:
+        return 0
+    return ceil_div(tp_counted(model, dims.tp) * config.recipe.weight_bytes, dims.tp)
 
 
 def plan_all(model: ModelSpec, dims: ParallelDims, config: ZeroConfig,

@@ -84,6 +84,20 @@ _EXPECTED = {
 }
 
 
+# [Note: generation] Sampling runs forwards until each sequence ends, so ranks whose
+# sequences end at different lengths run different numbers of forwards. Stages 0-2 hold
+# their weights whole and issue no collective in a forward: nothing to do. At stage 3
+# every forward gathers each unit, and a rank done early would leave the others waiting
+# in a gather until the timeout (DeepSpeed ZeRO-3 hangs so unless ``synced_gpus=True``).
+# ``model.generate()`` meets it one of two ways (``ZeroConfig.generate_gather``): the
+# whole model gathered once (``gathered()``: one all-gather per unit on entry, every
+# rank at the same point; inside, the cycle is ``held`` and no forward issues a
+# collective, so each rank runs as many as its sequences need; released on exit), or,
+# where the full weights do not fit, unit by unit as in training with transformers'
+# ``synced_gpus``, whose finished ranks keep running forwards (and serving gathers)
+# until every rank is done. Training passes keep the out-of-step check: a backward
+# inside the hold is refused.
+
 #: Where a rank is, as its fingerprints say it ([Note: fingerprints] in ``watch.py``).
 PHASES = ("setting up", "forward", "backward", "step", "between steps")
 

@@ -32,7 +32,7 @@ from .ledger import Ledger
 from .mesh import Mesh, check_mesh, check_tp_params
 from .schedule import CommContext, Prefetcher, Reducer
 from .stepping import Stepper, register_for_step_hooks
-from .unit import disk_bytes, full_tensors, host_bytes, measure, tp_dim
+from .unit import UnitState, disk_bytes, full_tensors, host_bytes, measure, tp_dim
 from .wrapped import ModuleGuard, refuse_quantized
 from .wrapped import install as install_peft_calls
 
@@ -110,6 +110,30 @@ def memory(model, optimizer=None, by_placement: bool = False) -> dict:
 # collectives, the units, the reducer, the prefetcher, the step cycle, the pass hooks of
 # ``hooks.py``, the stepper); its public methods are ``nn.Module``'s and a few more.
 # ----------------------------------------------------------------------------------------
+
+#: "auto" gathers the whole model for generation where free memory is this many times its
+#: full weights: a fifth beyond them for the generation's activations and cache.
+GENERATE_HEADROOM = 1.25
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes still free where ``device``'s tensors live: the GPU's, or this machine's
+    available memory for the CPU; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    from .._host import available_bytes
+
+    return available_bytes()
+
+
+def _takes(fn, name: str) -> bool:
+    """Whether callable ``fn`` takes the keyword ``name`` (by name, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
 
 class _SignedForward:
     """``ShardedModel.forward``: the model's forward, under the wrapped module's signature.
@@ -367,10 +391,11 @@ class ShardedModel(nn.Module):
 
     @contextlib.contextmanager
     def gathered(self):
-        """Hold every unit's full weights for the context: forwards inside it (for
-        example ``model.generate(...)``) issue no collective, so ranks may run different
-        numbers of them. Entering is a collective (stage 3 gathers each unit once);
-        the weights are released at exit. For inference: a backward inside is refused."""
+        """Hold every unit's full weights for the context: forwards inside it (a
+        sampling loop whose ranks stop at different lengths, an evaluation) issue no
+        collective, so ranks may run different numbers of them. Entering is a collective
+        (stage 3 gathers each unit once); the weights are released at exit, the memory
+        back to the stage's figure. For inference: a backward inside is refused."""
         self.synchronize()
         held = [u for u in self.units if u.policy.shards_params]
         for u in held:
@@ -381,6 +406,64 @@ class ShardedModel(nn.Module):
         finally:
             for u in held:
                 u.release()
+
+    def generate(self, *args, **kwargs):
+        """The wrapped module's ``generate`` (transformers', peft's), needing no care at
+        any stage ([Note: generation] in ``cycle.py``): at stage 3 the weights are
+        gathered once for the whole generation (``ZeroConfig.generate_gather``), or unit
+        by unit with transformers' ``synced_gpus`` on, so ranks whose sequences end
+        early keep serving the others' gathers; ``synced_gpus`` given is kept."""
+        generate = getattr(self.module, "generate", None)
+        if generate is None:
+            raise AttributeError(f"{type(self.module).__name__} has no generate(); sample "
+                                 "with a loop of forwards inside model.inference()")
+        with self.inference() as whole:
+            if whole:
+                return generate(*args, **kwargs)
+            if self.mesh.control_world > 1 and _takes(generate, "synced_gpus"):
+                kwargs.setdefault("synced_gpus", True)
+            # a generate that calls an inner model's forward (peft's calls the base
+            # model's) passes by the root unit's hooks: its weights (embeddings, head)
+            # are held gathered for the call (FSDP2's register_fsdp_forward_method)
+            root = next((u for u in self.units if u.module is self.module
+                         and u.policy.shards_params), None)
+            if root is None:
+                return generate(*args, **kwargs)
+            root.gather()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                root.release()
+
+    @contextlib.contextmanager
+    def inference(self):
+        """Forwards of an inference (a generation, an evaluation) the cheapest safe way
+        ([Note: generation] in ``cycle.py``): at stage 3 the whole model gathered once
+        for the context where ``gathers_whole()`` says so — then ranks may run
+        different numbers of forwards —, else unit by unit as in training, which needs
+        every rank to run the same forwards. Yields whether the weights are held whole;
+        every rank enters it alike."""
+        if self.cycle.held or not any(u.policy.shards_params for u in self.units):
+            yield True
+        elif self.gathers_whole():
+            with self.gathered():
+                yield True
+        else:
+            yield False
+
+    def gathers_whole(self) -> bool:
+        """Whether inference here holds the full weights at once (``generate_gather``):
+        asked, or, for "auto", where every rank's free memory (the device's; the host's
+        on CPU) holds the units not yet gathered with a fifth to spare. The ranks agree
+        (one small exchange), so all take the same way."""
+        how = self.zero_config.generate_gather
+        if how != "auto":
+            return how == "whole"
+        need = sum(u.full_bytes() for u in self.units
+                   if u.policy.shards_params and u.state is not UnitState.GATHERED)
+        free = free_bytes(self.units[0].device)
+        fits = int(free is not None and need * GENERATE_HEADROOM <= free)
+        return min(self.comm.agree(fits)()) == 1
 
     # -- inspection -----------------------------------------------------------------
     def memory(self, optimizer=None, by_placement: bool = False) -> dict:

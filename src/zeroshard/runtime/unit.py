@@ -759,6 +759,11 @@ class Unit:
         self.state = UnitState.SHARDED
         self.events.emit("release", self)
 
+    def full_bytes(self) -> int:
+        """Bytes of the unit's full parameters when gathered (padding included), in the
+        compute dtype: what a gather adds until its release."""
+        return sum(b.numel() for b in self.padded) * self.compute_dtype.itemsize
+
     def drop_secondary(self) -> None:
         """hpZ: a unit the backward did not reach keeps no secondary copy past it."""
         self.w_secondary = None

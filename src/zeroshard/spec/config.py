@@ -28,6 +28,9 @@ from .rules import (  # noqa: F401 (PLANNED_DISK re-exported)
 #: untouched), or not check at all (as torch and DDP do).
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
+#: How ``model.generate()`` meets stage 3's sharded weights (``ZeroConfig.generate_gather``).
+GENERATE_GATHERS = ("auto", "whole", "unit")
+
 #: ``mixed_precision`` shorthands -> recipe names.
 _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adamw",
               "fp16": "fp16-mixed-adamw"}
@@ -160,6 +163,15 @@ class ZeroConfig:
     on every rank, weights and optimizer state untouched (``model.skipped_steps``
     counts them); "ignore": no check, as torch DDP (the step then makes every rank's
     weights non-finite)."""
+    generate_gather: str = "auto"
+    """Stage 3: how ``model.generate()`` meets the sharded weights. "whole": every unit
+    gathered once for the whole generation and released when it returns (one all-gather
+    per unit, then no collective per token, so ranks may stop at different lengths),
+    the full weights in the compute dtype held meanwhile; "unit": gathered unit by unit
+    at every forward, as in training, with transformers' ``synced_gpus`` on so that
+    ranks done early keep serving the others' gathers; "auto": "whole" where every
+    rank's free memory holds the full weights with a fifth to spare (agreed by the
+    ranks), else "unit". Other stages hold their weights whole and need neither."""
     recipe: Recipe = field(init=False)
     """The precision recipe resolved from ``mixed_precision`` and ``reduce_dtype``:
     the same definition the planner computes bytes from."""
@@ -222,6 +234,9 @@ class ZeroConfig:
                             quantize_grads=self.quantize_grads, reduce_dtype=asked,
                             offload=self.offload)
         check_disk(self)
+        if self.generate_gather not in GENERATE_GATHERS:
+            raise ValueError(f"generate_gather={self.generate_gather!r}; expected one of "
+                             f"{', '.join(map(repr, GENERATE_GATHERS))}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={self.nonfinite!r}; expected one of "
                              f"{', '.join(map(repr, NONFINITE_POLICIES))}")

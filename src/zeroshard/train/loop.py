@@ -150,7 +150,8 @@ def finish(run: Run) -> dict:
                     _tp_planned(run))
     if cfg.sample_chars:
         model.eval()
-        run.out.sample(run.source.sample(model, run.device))
+        with model.inference():  # the whole model gathered once, where it fits
+            run.out.sample(run.source.sample(model, run.device))
     return {"losses": run.losses, "evals": run.evals, "first_val": run.first_eval,
             "memory": memories[run.rank], "loss_scale": run.scaler.get_scale()}
 
