@@ -238,6 +238,30 @@ def sft(folder: str, grid: tuple[int, ...]) -> dict:
             for stage in grid}
 
 
+def grpo(folder: str, grid: tuple[int, ...]) -> dict:
+    """TRL's GRPOTrainer, sharded by ``zeroshard.hf.sharded``, against its own DDP run: it
+    generates through the sharded model's ``generate`` (TRL's unwrap hands it back
+    whole), its completions end at different lengths, and training after generation
+    matches."""
+    from trl import GRPOTrainer
+
+    from zeroshard.hf import sharded
+
+    def make(cls, **kw):
+        m.join_world()
+        t = cls(model=m.llama(), reward_funcs=m.even_words, args=m.grpo_args(folder),
+                train_dataset=m.grpo_prompts(), processing_class=m.tokenizer(), **kw)
+        t.train()
+        return t
+
+    ref = make(GRPOTrainer)
+    out = {stage: _against(ref, make(sharded(GRPOTrainer), zero={"stage": stage}))
+           for stage in grid}
+    lengths = [h["completions/min_length"] != h["completions/max_length"]
+               for h in ref.state.log_history if "completions/min_length" in h]
+    return {**out, "uneven": any(lengths)}
+
+
 def bf16(folder: str) -> dict:
     """bf16=True: the engine's bf16 recipe (bf16 weights, fp32 master) against DDP under
     accelerate's bf16 autocast: other roundings, so losses close, not equal."""
@@ -300,6 +324,7 @@ def main_grid(folder: str) -> dict:
     _run(results, "deepspeed", deepspeed, folder)
     _run(results, "peft", peft_checkpointing, folder, (0, 3))
     _run(results, "sft", sft, folder, (0, 3))
+    _run(results, "grpo", grpo, folder, (3,))
     _run(results, "bf16", bf16, folder)
     _run(results, "refused", refused_optimizer, folder)
     for stage in (0, 3):
@@ -315,6 +340,7 @@ def wide_grid(folder: str) -> dict:
         _run(results, model, stages, folder, model, (0, 1, 2, 3))
     _run(results, "peft", peft_checkpointing, folder, (1, 2))
     _run(results, "sft", sft, folder, (0, 1, 2, 3))
+    _run(results, "grpo", grpo, folder, (0, 1, 2))
     return results
 
 

@@ -114,3 +114,27 @@ def losses(trainer) -> list[float]:
 
 def probe_ids():
     return torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+
+
+def grpo_prompts(n: int = 16):
+    """Prompts of four words for TRL's GRPOTrainer."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [" ".join(f"t{3 + (i * 7 + j) % 120}" for j in range(4))
+                                         for i in range(n)]})
+
+
+def even_words(completions, **kwargs) -> list[float]:
+    """GRPO's reward: the count of even ids a completion writes ("t4 t6 ...")."""
+    return [float(sum(1 for w in c.split() if w[1:].isdigit() and int(w[1:]) % 2 == 0))
+            for c in completions]
+
+
+def grpo_args(folder: str, **overrides):
+    """4 samples of up to 6 tokens per prompt (an eos ends some early), 3 steps."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=folder, **{**ARGS, "gradient_accumulation_steps": 1,
+                                            "per_device_train_batch_size": 4,
+                                            "max_steps": 3, "num_generations": 4,
+                                            "max_completion_length": 6, **overrides})

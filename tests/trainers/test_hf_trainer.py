@@ -118,6 +118,15 @@ def test_trl_sft_trainer_sharded(grid, stage):
 
 
 @pytest.mark.dist
+def test_trl_grpo_trainer_sharded_generates_and_trains_as_ddp(grid):
+    """GRPOTrainer at stage 3: its generation (completions of different lengths, through
+    the sharded model's generate) and its steps match its own DDP run."""
+    r = ok(grid["grpo"])
+    assert r["uneven"]
+    _matches(r[3])
+
+
+@pytest.mark.dist
 def test_bf16_is_the_engine_recipe_close_to_ddp_autocast(grid):
     r = ok(grid["bf16"])
     assert r["recipe"] == "bf16-mixed-adamw" and r["dtypes"] == ["torch.bfloat16"]

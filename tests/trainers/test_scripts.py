@@ -51,3 +51,11 @@ def test_bench_smoke(tmp_path):
     out = _run([sys.executable, str(ROOT / "bench" / "trainers.py"), "--rounds", "1",
                 "--steps", "3", "--warmup", "1"], tmp_path)
     assert "zs0:ddp:" in out and "zs3:fsdp2:" in out and "differ" not in out
+
+
+def test_grpo_example(tmp_path):
+    """examples/grpo.py (docs/generation.md): its mean reward rises over its 30 steps."""
+    out = _torchrun("grpo.py", tmp_path)
+    rewards = [float(line.split("mean reward ")[1].split()[0])
+               for line in out.splitlines() if "mean reward" in line]
+    assert len(rewards) == 6 and rewards[-1] > rewards[0], rewards

@@ -60,3 +60,8 @@ def test_lightning_checkpoint_resumes_at_another_world(tmp_path):
     got = spawn(lightning_cases.resume_in_another_world, 1, folder, saved["first"], 3,
                 timeout=600)[0]["end"]
     assert m.weights_diff(got, saved["end"]) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_grpo_at_the_other_stages(wide, stage):
+    _matches(ok(wide["grpo"])[stage])
