@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..spec.config import ZeroConfig
+from . import checkpointing
 from .build import (
     Materializer,
     broadcast_buffers,
@@ -228,6 +229,8 @@ class ShardedModel(nn.Module):
         self.hooks = PassHooks(self)
         self.guard = ModuleGuard(self)  # loading and saving through the module itself
         install_peft_calls(self)  # peft's calls on the module: save_pretrained, merges, ...
+        self.checkpointed_units = checkpointing.apply(self)
+        """How many units recompute their forward in backward (``checkpointing.py``)."""
         # an optimizer over the DTensors released units show is one over the module's own
         self._original_ids |= {id(p) for u in self.units for p in u.view.sharded or ()}
         register_for_step_hooks(self)
@@ -307,7 +310,11 @@ class ShardedModel(nn.Module):
         then a graph border (``hooks.py``)."""
         for u in self.units:
             m = u.module
-            if m is not self.module and "forward" not in vars(m):
+            if m is self.module:
+                continue
+            if checkpointing.is_checkpointed(m.forward):
+                m.forward.compile(*args, **kwargs)
+            elif "forward" not in vars(m):
                 m.forward = torch.compile(m.forward, *args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

@@ -28,12 +28,34 @@ from .rules import (  # noqa: F401 (PLANNED_DISK re-exported)
 #: untouched), or not check at all (as torch and DDP do).
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
+#: ``ZeroConfig.activation_checkpointing``'s named modes (an integer k is the other kind:
+#: every k-th unit recomputed).
+CHECKPOINTING_MODES = ("none", "full", "selective", "full+offload")
+
 #: How ``model.generate()`` meets stage 3's sharded weights (``ZeroConfig.generate_gather``).
 GENERATE_GATHERS = ("auto", "whole", "unit")
 
 #: ``mixed_precision`` shorthands -> recipe names.
 _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adamw",
               "fp16": "fp16-mixed-adamw"}
+
+def _checkpointing(mode) -> str | int:
+    """``activation_checkpointing`` checked: a named mode, or k >= 1 (a count written as
+    text, as a flag gives it, read as the number; 1 is "full")."""
+    if isinstance(mode, str) and mode.strip().isdigit():
+        mode = int(mode)
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        if mode < 1:
+            raise ValueError(f"activation_checkpointing={mode}; expected one of "
+                             f"{', '.join(map(repr, CHECKPOINTING_MODES))} or a count k >= 1 "
+                             "(every k-th unit)")
+        return "full" if mode == 1 else mode
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(f"activation_checkpointing={mode!r}; expected one of "
+                         f"{', '.join(map(repr, CHECKPOINTING_MODES))} or a count k >= 1 "
+                         "(every k-th unit)")
+    return mode
+
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -163,6 +185,20 @@ class ZeroConfig:
     on every rank, weights and optimizer state untouched (``model.skipped_steps``
     counts them); "ignore": no check, as torch DDP (the step then makes every rank's
     weights non-finite)."""
+    activation_checkpointing: str | int = "none"
+    """Activations recomputed in backward instead of kept, each unit (but the root) at its
+    boundary, where stage 3 gathers it for backward anyway ([Note: activation
+    checkpointing] in ``runtime/checkpointing.py``). "none": every activation kept;
+    "full": a unit keeps its inputs only and recomputes its forward in backward;
+    "selective": a unit keeps its matrix multiplications' outputs (the linear layers')
+    and recomputes the rest — elementwise operations, norms, attention's softmax
+    (Korthikanti et al.'s selective recompute, through torch's
+    ``create_selective_checkpoint_contexts``); an integer k: every k-th unit "full", the
+    others none (1 is "full"); "full+offload": "full" with the kept inputs in host
+    memory (pinned under CUDA) until the recompute. A model that checkpoints itself
+    (transformers' ``gradient_checkpointing_enable``) is kept as it is. DeepSpeed's
+    ``activation_checkpointing`` section maps here (``cpu_checkpointing``:
+    "full+offload")."""
     generate_gather: str = "auto"
     """Stage 3: how ``model.generate()`` meets the sharded weights. "whole": every unit
     gathered once for the whole generation and released when it returns (one all-gather
@@ -234,6 +270,8 @@ class ZeroConfig:
                             quantize_grads=self.quantize_grads, reduce_dtype=asked,
                             offload=self.offload)
         check_disk(self)
+        object.__setattr__(self, "activation_checkpointing",
+                           _checkpointing(self.activation_checkpointing))
         if self.generate_gather not in GENERATE_GATHERS:
             raise ValueError(f"generate_gather={self.generate_gather!r}; expected one of "
                              f"{', '.join(map(repr, GENERATE_GATHERS))}")

@@ -1,0 +1,240 @@
+"""Activation checkpointing at the unit's boundary (``ZeroConfig.activation_checkpointing``).
+
+[Note: activation checkpointing] ZeRO shards the training state, not the activations:
+each rank keeps every tensor its micro-batch's forward saves for backward. Checkpointing
+keeps less and recomputes the rest in backward (Chen et al., 2016), and the unit is its
+natural boundary: at stage 3 a unit is gathered again for its backward anyway, so the
+recompute runs on weights that are there. Each unit but the root (the embeddings, the
+final norm and head: the loss's backward needs them first) gets its module's
+``forward`` replaced by torch's non-reentrant ``torch.utils.checkpoint`` of it — as
+torchtitan wraps each block before ``fully_shard`` — so the engine's hooks stay around
+the module's call, outside the checkpoint:
+
+- "full": the unit keeps its inputs; its forward runs again in backward, when autograd
+  first asks for one of its saved tensors (after the unit's pre-backward gather).
+- "selective": the outputs of its matrix multiplications (``aten.mm`` and ``addmm``: the
+  linear layers) are kept as well, and only the rest is recomputed: elementwise
+  operations, norms, and attention's core (its softmax and batched products), which
+  Korthikanti et al. (2022, section 5) found holds most of the bytes at little of the
+  compute (torch's ``create_selective_checkpoint_contexts``).
+- every k-th unit "full", the others keeping everything (torchtitan's per-layer
+  checkpointing).
+- "full+offload": as "full", with the kept inputs in host memory (pinned, and copied
+  without blocking, on a GPU; on the CPU the copy is the tensor itself) until the
+  recompute brings them back.
+
+The maths is the same: a recompute runs the same operations on the same inputs (the
+RNG state restored for dropout), so the gradients are bit for bit those of the run that
+kept everything. A model that checkpoints itself (transformers'
+``gradient_checkpointing_enable``, the built-in GPT's ``checkpointing``) is left as it
+is: wrapped twice, it would recompute twice. In training, a checkpointed unit is called
+without a key-value cache: a recompute would append its keys and values to the cache a
+second time (transformers turns the cache off under its own checkpointing alike).
+
+What is held is told to whoever listens (the profiler, which counts saved tensors with
+saved-tensor hooks that a checkpoint hides from it): a unit's kept inputs (and selective
+checkpointing's kept outputs) from its forward until the last of its saved tensors is
+used in backward, and each recomputed tensor from its recompute until backward uses it;
+``recompute_end`` marks the moment all of a unit's are back, its peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
+
+#: The operations selective checkpointing keeps the outputs of: the linear layers'.
+KEPT_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+
+#: Cache keyword arguments a checkpointed call in training goes without (besides any
+#: argument holding a transformers ``Cache``, whatever its name: ``cache`` in recent ones).
+_CACHE_KWARGS = {"past_key_values": None, "past_key_value": None, "layer_past": None,
+                 "use_cache": False}
+
+
+def apply(model) -> int:
+    """Wrap the forward of the units ``model.zero_config.activation_checkpointing``
+    names; return how many units were wrapped."""
+    mode = model.zero_config.activation_checkpointing
+    if mode == "none":
+        return 0
+    if checkpoints_itself(model.module):
+        warnings.warn(f"activation_checkpointing={mode!r}: {type(model.module).__name__} "
+                      "checkpoints itself (gradient_checkpointing_enable), which is kept; "
+                      "zeroshard does not wrap it twice", stacklevel=3)
+        return 0
+    every = mode if isinstance(mode, int) else 1
+    blocks = [u for u in model.units if u.module is not model.module]
+    wrapped = 0
+    for j, unit in enumerate(blocks):
+        if (j + 1) % every == 0:
+            m = unit.module
+            m.forward = _Checkpointed(m.forward, mode, model.events, unit)
+            wrapped += 1
+    return wrapped
+
+
+def checkpoints_itself(module: torch.nn.Module) -> bool:
+    """Whether ``module`` recomputes its own activations already: transformers' models
+    after ``gradient_checkpointing_enable`` (peft's through their base), the built-in
+    GPT built with ``checkpointing``."""
+    if getattr(module, "is_gradient_checkpointing", False) is True:
+        return True
+    return getattr(getattr(module, "config", None), "checkpointing", False) is True
+
+
+def is_checkpointed(forward) -> bool:
+    """Whether ``forward`` is a unit's forward this module wrapped."""
+    return isinstance(forward, _Checkpointed)
+
+
+def _keep_linear(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective() -> tuple:
+    return create_selective_checkpoint_contexts(_keep_linear)
+
+
+class _Checkpointed:
+    """A unit module's forward, checkpointed in training (grad enabled, not inside a
+    backward's recompute); plain in inference."""
+
+    def __init__(self, forward, mode, events, unit):
+        functools.update_wrapper(self, forward)
+        self.forward, self.mode, self.events, self.unit = forward, mode, events, unit
+        self.context = _selective if mode == "selective" else noop_context_fn
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return self.forward(*args, **kwargs)
+        args = tuple(_without_cache("", a) for a in args)  # GPT-2 passes its cache by place
+        kwargs = {k: _without_cache(k, v) for k, v in kwargs.items()}
+        fn = self.forward
+        if self.events.listeners:  # a profiler counts what the checkpoint holds
+            fn = _Counted(self.forward, self.events, self.unit, self.mode == "selective")
+            fn.hold([t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)])
+        if self.mode == "full+offload":
+            args, fn = _offloaded(args, fn)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context, **kwargs)
+
+
+def _without_cache(name: str, value):
+    """A keyword argument's value for a checkpointed call in training: no key-value cache
+    (one is recognised by its ``get_seq_length``, transformers' ``Cache`` API)."""
+    if name in _CACHE_KWARGS:
+        return _CACHE_KWARGS[name]
+    return None if hasattr(value, "get_seq_length") else value
+
+
+def _offloaded(args: tuple, fn):
+    """``args``' tensors moved to host memory for the checkpoint to keep, and ``fn``
+    bringing them back to where they were for the recompute."""
+    devices = [t.device if torch.is_tensor(t) else None for t in args]
+    pin = torch.cuda.is_available()
+
+    def host(t):
+        if not torch.is_tensor(t) or t.device.type == "cpu":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        return out.copy_(t, non_blocking=pin)
+
+    def back(*held, **kwargs):
+        moved = [t.to(d, non_blocking=True) if d is not None else t
+                 for t, d in zip(held, devices)]
+        return fn(*moved, **kwargs)
+
+    return tuple(host(t) for t in args), back
+
+
+class _Counted:
+    """One checkpointed call of a unit's forward, telling the listeners what it holds:
+    wrapped around the hooks the checkpoint puts on top (``_checkpoint_hook`` in
+    forward, ``_recomputation_hook`` in the recompute; ``torch/utils/checkpoint.py``),
+    which it calls through."""
+
+    def __init__(self, forward, events, unit, selective: bool):
+        self.forward, self.events, self.unit, self.selective = forward, events, unit, selective
+        self.kept: list = []  # the listeners' tokens of the inputs (and kept outputs)
+        self.saved = 0  # tensors the forward saved (the checkpoint's holders)
+        self.used = 0  # of them, unpacked by backward
+        self.recomputed: dict[int, list] = {}  # holder index -> the listeners' tokens
+        self.next = 0  # the next holder the recompute fills
+
+    def hold(self, tensors: list) -> None:
+        for t in tensors:
+            self.kept.extend(self._held(t))
+
+    def _held(self, t: torch.Tensor) -> list:
+        return [(listener, listener.pack(t)) for listener in self.events.listeners
+                if hasattr(listener, "pack")]
+
+    @staticmethod
+    def _let_go(tokens: list) -> None:
+        for listener, token in tokens:
+            listener.unpack(token)
+
+    def __call__(self, *args, **kwargs):
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None:
+            return self.forward(*args, **kwargs)
+        inner_pack, inner_unpack = top
+        if torch._C._current_graph_task_id() == -1:  # the forward: count the holders
+            hooks = (functools.partial(self._forward_pack, inner_pack),
+                     functools.partial(self._forward_unpack, inner_unpack))
+            mode = _KeptOutputs(self) if self.selective else None
+        else:  # the recompute: each tensor held from now until backward uses it
+            hooks = (functools.partial(self._recompute_pack, inner_pack), inner_unpack)
+            mode = None
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            if mode is None:
+                return self.forward(*args, **kwargs)
+            with mode:
+                return self.forward(*args, **kwargs)
+
+    def _forward_pack(self, inner_pack, x):
+        self.saved += 1
+        return (self.saved - 1, inner_pack(x))
+
+    def _forward_unpack(self, inner_unpack, packed):
+        k, holder = packed
+        out = inner_unpack(holder)  # recomputes the whole unit on the first call
+        self._let_go(self.recomputed.pop(k, []))
+        self.used += 1
+        if self.used == self.saved:  # the unit's backward has used every one
+            self._let_go(self.kept)
+            self.kept = []
+        return out
+
+    def _recompute_pack(self, inner_pack, x):
+        k = self.next
+        self.next += 1
+        self.recomputed[k] = self._held(x)
+        if self.next == self.saved:  # every saved tensor is back: the recompute's peak
+            self.events.emit("recompute_end", self.unit)
+        return inner_pack(x)  # (raises to stop the recompute early after the last)
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Selective checkpointing's forward: the outputs it keeps (``KEPT_OPS``), told as
+    held beside the inputs."""
+
+    def __init__(self, counted: _Counted):
+        super().__init__()
+        self.counted = counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in KEPT_OPS:
+            tree_map(lambda t: self.counted.hold([t]) if torch.is_tensor(t) else None, out)
+        return out
