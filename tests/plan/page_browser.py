@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zeroshard.plan import PRESETS, RECIPES, Architecture, ModelSpec
-from zeroshard.plan.page import GPU_MEMORY_GB
+from zeroshard.plan.page import GPU_MEMORY_GB, page_mode
 
 CHROMIUM = "/usr/bin/chromium"
 UNITS = {"GB": 10**9, "GiB": 2**30}
@@ -132,7 +132,7 @@ def set_controls(page, c: dict) -> None:
             fill(f"recipe-{key}", value)
     fill("tokens", c["tokens"])
     fill("seq-len", c.get("seq_len") or "")
-    tick("checkpointing", c["checkpointing"])
+    select("checkpointing", page_mode(c["checkpointing"]))
     tick("flash-attention", c.get("flash", False))
     fill("gpu-step", c.get("step") or "")
 

@@ -101,7 +101,7 @@ def test_70b_on_64_h100s_plain_zero3_against_groups_of_a_node():
     work, on64, in8 = Workload(2048), ParallelDims(64), ParallelDims(64, shard=8)
     plain = plan_strategy(M70, on64, config(3), work)
     node = plan_strategy(M70, in8, config(3), work)
-    assert (round(plain.total / 1e9, 2), round(node.total / 1e9, 2)) == (22.41, 143.12)
+    assert (round(plain.total / 1e9, 2), round(node.total / 1e9, 2)) == (22.42, 143.13)
     assert node.weights + node.grads + node.optimizer == sum(model_state_bytes(
         M70.params, ParallelDims(8), config(3)))
     assert (plain.comm_inside, plain.comm_across) == (plain.comm, 0)
@@ -113,7 +113,9 @@ def test_70b_on_64_h100s_plain_zero3_against_groups_of_a_node():
 
 
 def test_recommend_weighs_groups_of_nodes_and_keeps_plain_on_nvlink_ndr():
-    rec = recommend(M70, config(), 64, 80 * 10**9, H100, 1024, 2048)
+    """With full checkpointing fixed (weighed too, selective checkpointing at TP 8 wins:
+    ``test_time.py``)."""
+    rec = recommend(M70, config(), 64, 80 * 10**9, H100, 1024, 2048, checkpointing="full")
     b = rec.best
     assert (b.strategy, b.tp, b.shard_group) == ("ZeRO-3", 1, None)
     why = rec.reasons["shard group"]

@@ -32,7 +32,7 @@ from zeroshard.plan import (
     plan_all,
     why_none_fits,
 )
-from zeroshard.plan.page import write_page
+from zeroshard.plan.page import page_mode, write_page
 from zeroshard.plan.render import _fmt
 
 from . import page_browser
@@ -63,7 +63,8 @@ def expected(c: dict) -> dict:
     """What ``zeroshard plan`` computes for configuration ``c``."""
     model, unit = model_of(c), UNITS[c["unit"]]
     recipe = get_recipe(c["recipe"])
-    work = Workload(c["tokens"], c.get("seq_len"), c["checkpointing"], c.get("flash", False))
+    work = Workload.of_mode(c["tokens"], c.get("seq_len"), page_mode(c["checkpointing"]),
+                            flash_attention=c.get("flash", False))
     budget = int(c["mem"] * unit)  # command.run
     gpus, group = c["gpus"], c.get("shard_group")
     plans = plan_all(model, ParallelDims(gpus, shard=group), config(recipe), work, budget)

@@ -21,6 +21,7 @@ from zeroshard.plan import (
     plan_all,
     plan_strategy,
 )
+from zeroshard.plan.page import page_mode
 
 from .page_browser import UNITS, model_of, set_controls
 
@@ -41,7 +42,8 @@ def answers(c: dict) -> dict[int, dict]:
     def config(stage, name=None):  # the page's recipe, taken whole
         return ZeroConfig(stage=stage, mixed_precision=get_recipe(name) if name else recipe)
 
-    work = Workload(c["tokens"], c.get("seq_len"), c["checkpointing"], c.get("flash", False))
+    work = Workload.of_mode(c["tokens"], c.get("seq_len"), page_mode(c["checkpointing"]),
+                            flash_attention=c.get("flash", False))
     model = model_of(c)
     budget = int(c["mem"] * unit)
     m7, m70 = (ModelSpec.from_arch(PRESETS[n]) for n in ("llama2-7b", "llama2-70b"))

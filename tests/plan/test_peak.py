@@ -81,7 +81,8 @@ def test_recommend_replays_the_llama3_8b_case():
     for flash in (False, True):
         rec = recommend(model, config(), 8, 80 * GB, H100, 64, 8192, flash_attention=flash)
         for c in (rec.best, *rec.runners_up):
-            work = Workload(c.micro_batch * 8192, 8192, c.checkpointing, flash)
+            work = Workload.of_mode(c.micro_batch * 8192, 8192, c.checkpointing,
+                                    flash_attention=flash)
             planned = peak(model, ParallelDims(8, c.tp), config(c.stage, prefetch=c.prefetch),
                            work, c.blocks_per_unit, c.accumulation)
             assert c.memory == planned.bytes <= 72 * GB
@@ -208,7 +209,7 @@ _HF_PARAMS = {"llama": 30_880, "gpt2": 39_808}
 
 @pytest.mark.parametrize("model, stage, recipe, measured, before", [
     ("llama", 1, "fp32-adamw", 865_040, 0.22), ("llama", 1, "bf16-mixed-adamw", 600_848, 0.32),
-    ("llama", 3, "fp32-adamw", 889_680, 0.21), ("llama", 3, "bf16-mixed-adamw", 613_168, 0.31),
+    ("llama", 3, "fp32-adamw", 889_680, 0.22), ("llama", 3, "bf16-mixed-adamw", 613_168, 0.32),
     ("gpt2", 1, "fp32-adamw", 2_143_760, -0.31), ("gpt2", 1, "bf16-mixed-adamw", 1_674_256, -0.40),
     ("gpt2", 3, "fp32-adamw", 2_189_584, -0.31), ("gpt2", 3, "bf16-mixed-adamw", 1_697_168, -0.40)])
 def test_profiled_hf_model_run(tmp_path, model, stage, recipe, measured, before):
@@ -221,7 +222,7 @@ def test_profiled_hf_model_run(tmp_path, model, stage, recipe, measured, before)
     dropout, which on CPU keeps fp32 or bf16 noise per element and sends attention down
     scaled_dot_product_attention's math path. Counting the loss and leaving dropout out,
     the plan was ``before`` off (+22% to +32%, -31% to -40%); now within 0.6% (the
-    Llama's rest: its rotary cos and sin tables, 2·s·head_dim per micro-batch)."""
+    Llama's rotary cos and sin tables, 2·s·head_dim per micro-batch, counted)."""
     import json
 
     from zeroshard.plan import from_hf_config

@@ -434,7 +434,7 @@ def test_recommend_seed_models(name, gpus):
     assert set(rec.reasons) == set(KEYS) and all(rec.reasons[k] for k in KEYS)
     assert b.strategy in rec.reasons["stage"] and "headroom" in rec.reasons["stage"]
     # feasible by the planner's own peak: the loss's backward, a unit's, the step
-    work = Workload(b.micro_batch * 2048, 2048, b.checkpointing)
+    work = Workload.of_mode(b.micro_batch * 2048, 2048, b.checkpointing)
     planned = peak(model, ParallelDims(gpus, b.tp, b.shard_group),
                    config(b.stage, prefetch=b.prefetch), work, b.blocks_per_unit,
                    b.accumulation)
@@ -467,7 +467,7 @@ def test_recommend_headroom_is_a_setting():
 
 
 def test_choose_prefers_the_simpler_configuration_within_one_percent():
-    def cand(stage, step, tp=1, ckpt=False):
+    def cand(stage, step, tp=1, ckpt="none"):
         t = StepTime("x", step, 0, 0, 0, 0, 0, 0, 1)
         return Candidate(stage, tp, 1, 1 if stage == 3 else 0, ckpt, 1, 1, 0, t)
 
@@ -475,7 +475,10 @@ def test_choose_prefers_the_simpler_configuration_within_one_percent():
     assert choose([z3, z1, ddp]) is z1  # within 1%: the lower stage
     assert choose([z3, ddp]) is z3  # 2% slower: the faster, higher stage
     assert choose([cand(2, 1.0, tp=2), cand(2, 1.005)]).tp == 1
-    assert choose([cand(2, 1.0, ckpt=True), cand(2, 1.02)]).checkpointing
+    assert choose([cand(2, 1.0, ckpt="full"), cand(2, 1.02)]).checkpointing == "full"
+    # within 1%: the least recompute
+    assert choose([cand(2, 1.0, ckpt="full"), cand(2, 1.005, ckpt="selective")]
+                  ).checkpointing == "selective"
 
 
 def test_recommend_cli_text_and_json(capsys):

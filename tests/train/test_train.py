@@ -223,6 +223,7 @@ ENGINE_FLAGS = {
     "check_collectives": (["--no-check-collectives"], False),
     "nonfinite": (["--nonfinite", "raise"], "raise"),
     "generate_gather": (["--generate-gather", "unit"], "unit"),
+    "activation_checkpointing": (["--activation-checkpointing", "2"], 2),
     "shard_group": (["--shard-group", "2"], 2),
     "secondary_group": (["--secondary-group", "1"], 1),
     "quantize_weights": (["--quantize-weights"], True),

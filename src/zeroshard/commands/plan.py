@@ -39,7 +39,13 @@ from ..spec.optimizers import OPTIMIZERS
 from ..spec.recipes import DEFAULT_RECIPE, RECIPES, get_recipe
 from ..spec.rules import OFFLOADS
 from . import plan_lora, plan_output, plan_time
-from .plan_checks import DIM_FLAGS, check_flags, model_rules, sweep_counts
+from .plan_checks import (
+    DIM_FLAGS,
+    check_flags,
+    checkpointing_mode,
+    model_rules,
+    sweep_counts,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,8 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (default 2048)")
     a.add_argument("--seq-len", type=int, help="sequence length for the attention term "
                                                "(default: --tokens)")
+    a.add_argument("--activation-checkpointing", metavar="MODE",
+                   help="what a block keeps for backward, as zs.shard's "
+                        "activation_checkpointing: none, full (its input; the default), "
+                        "selective (its linear layers' outputs too), full+offload (its "
+                        "input in host memory) or K (every K-th block full)")
     a.add_argument("--no-checkpointing", action="store_true",
-                   help="no activation checkpointing: every block keeps its activations")
+                   help="no activation checkpointing: every block keeps its activations "
+                        "(--activation-checkpointing none)")
     a.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="checkpoint every K-th block only (torchtitan's selective "
                         "checkpointing by layer; default 1: every block)")
@@ -270,8 +282,8 @@ def _plan_table(args, model: ModelSpec, config: ZeroConfig, budget: int, unit: i
     _check_for_table(args, config)
     dims = ParallelDims(args.gpus, args.tp or 1, config.shard_group)
     check_layout(dims, config)  # hpZ's K2 must divide the shard group
-    work = Workload(args.tokens, args.seq_len, not args.no_checkpointing,
-                    args.flash_attention, args.checkpoint_every or 1)
+    work = Workload.of_mode(args.tokens, args.seq_len, checkpointing_mode(args),
+                            flash_attention=args.flash_attention)
     shown = [STRATEGIES[stage_of(args.strategy)]] if args.strategy else list(STRATEGIES)
     result = plan_output.compute(args, model, dims, config, work, budget, sweep)
     if args.json:

@@ -9,6 +9,7 @@ import re
 
 from .._paths import output_file
 from ..plan.advice import MAX_GPUS, MAX_PARAMS
+from ..spec.config import check_checkpointing
 from ..spec.dims import check_tp_degree
 from ..spec.formulas import QUANT_BLOCK
 from ..spec.lora import check_beside_tp
@@ -31,6 +32,26 @@ def _at_most(name: str, value, most: int, what: str) -> None:
         raise ValueError(f"--{name}={value} is more than {what}: at most {most:,}")
 
 
+def checkpointing_mode(args) -> str | int:
+    """The activation checkpointing the flags ask for, as ``ZeroConfig.
+    activation_checkpointing`` writes it: ``--activation-checkpointing``, or the older
+    ``--no-checkpointing`` and ``--checkpoint-every K``; "full" when none is given."""
+    older = "none" if args.no_checkpointing else (args.checkpoint_every or None)
+    if args.activation_checkpointing is None:
+        return check_checkpointing(older or "full")
+    try:
+        mode = check_checkpointing(args.activation_checkpointing)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("activation_checkpointing=",
+                                          "--activation-checkpointing=", 1)) from None
+    if older is not None and check_checkpointing(older) != mode:
+        flag = "--no-checkpointing" if args.no_checkpointing else \
+            f"--checkpoint-every {args.checkpoint_every}"
+        raise ValueError(f"--activation-checkpointing {args.activation_checkpointing} and "
+                         f"{flag} contradict each other: give one")
+    return mode
+
+
 def check_flags(args) -> None:
     """Flag values that are wrong whatever else is asked, found before any work."""
     for name in ("gpus", "gpu_mem", "tokens", "seq_len", "params", "checkpoint_every",
@@ -45,6 +66,7 @@ def check_flags(args) -> None:
              "published models)")
     if args.checkpoint_every is not None and args.no_checkpointing:
         raise ValueError("--checkpoint-every and --no-checkpointing contradict each other")
+    checkpointing_mode(args)
     plan_time.check(args)
     if args.offload_dir and not (args.offload or args.recommend):
         raise ValueError("--offload-dir keeps the offloaded optimizer state on disk: add "

@@ -16,6 +16,7 @@ from ..plan.placement import disk_io_bytes, pcie_bytes
 from ..spec.config import ZeroConfig
 from ..spec.dims import ParallelDims
 from . import plan_time
+from .plan_checks import checkpointing_mode
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,16 @@ def _generate_line(model, dims, config, r: Result, shown, unit) -> None:
                 "generation's activations); unit by unit where that does not fit")
 
 
+def page_checkpointing(args) -> str:
+    """The page's checkpointing for the flags': every k-th block is not one of its modes."""
+    mode = checkpointing_mode(args)
+    if isinstance(mode, int):
+        raise ValueError(f"--html plans every block alike: drop --activation-checkpointing "
+                         f"{mode} (or --checkpoint-every), or choose none, full, selective "
+                         "or full+offload")
+    return mode
+
+
 def write_html(args, model: ModelSpec, config: ZeroConfig) -> None:
     """``--html``: the page, opening on these settings (data parallelism alone)."""
     from ..plan import page
@@ -191,7 +202,7 @@ def write_html(args, model: ModelSpec, config: ZeroConfig) -> None:
     page.write_page(args.html, model=args.model or model, gpus=args.gpus,
                     gpu_mem=args.gpu_mem, gib=args.gib, recipe=config.recipe,
                     tokens=args.tokens, seq_len=args.seq_len,
-                    checkpointing=not args.no_checkpointing,
+                    checkpointing=page_checkpointing(args),
                     flash_attention=args.flash_attention, gpu_step=args.gpu_step,
                     tp=args.tp or 1, shard_group=plan_time.shard_group(args))
     render.wrote(args.html)

@@ -72,6 +72,11 @@ _ENGINE_FLAGS = {
     "generate_gather": dict(metavar="{auto,whole,unit}", help="stage 3: the end-of-run "
                             "sample's weights gathered once for it, or unit by unit at "
                             "every token; auto: once where they fit"),
+    "activation_checkpointing": dict(
+        metavar="{none,full,selective,full+offload,K}", help="recompute activations in "
+        "backward instead of keeping them, each transformer block at its unit's boundary: "
+        "full keeps the block inputs; selective the linear layers' outputs too; K every "
+        "K-th block full; full+offload the inputs in host memory"),
     "nonfinite": dict(metavar="{raise,skip,ignore}", shown="skip, stopping after "
                       "--max-skipped consecutive skips", help="a step whose reduced gradients "
                       "hold a NaN or inf, on every rank alike"),

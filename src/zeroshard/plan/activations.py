@@ -41,11 +41,30 @@ two sequence lengths and two micro-batches, fp32 and bf16, flash and eager, in
 ``tests/plan/test_activations.py`` (within 2 %); GPT-2 with dropout in a profiled
 ``zeroshard train --hf-model`` run (``tests/plan/test_peak.py``).
 
-Checkpointing (``Workload.checkpoint_every`` k; torchtitan's per-layer selective
-activation checkpointing, ``selective_ac_option = k``): every k-th block keeps only its
-input (``b·h``) and the others everything; during backward one checkpointed block is
-recomputed at a time, after the output layer's tensors are gone. k = 1 is full
-checkpointing, the source documents' ``L·b·h`` inputs plus one layer's recompute.
+Checkpointing (``Workload.checkpointing``; ``runtime/checkpointing.py`` is what it
+models): every k-th block (``checkpoint_every``; torchtitan's per-layer checkpointing)
+keeps only what its mode keeps, the others everything; during backward one checkpointed
+block is recomputed at a time, after the output layer's tensors are gone, while the
+input ids wait for the embedding's backward. Measured with the profiler, which counts a
+checkpoint's holdings (``tests/plan/test_checkpointing.py``):
+
+- **full** keeps the block input (``b·h``). The recompute saves the block's tensors
+  again but for that input where the block saves it as it is (a LayerNorm does; an
+  RMSNorm only in fp32, where its upcast is the tensor itself).
+- **selective** keeps the outputs of the linear layers too (the matrix multiplications:
+  ``3q`` fused or ``q + 2kv``, ``h``, ``f`` or ``2f`` gated, ``h``; the column-parallel
+  ones split by tensor parallelism), and recomputes the rest; of those outputs the
+  block itself saves v (``kv``, with flash or no repetition), the MLP's input
+  projections (``f``, ``2f`` gated) and a fused qkv (``3q``, with flash: the eager path
+  saves copies of q, k and v), under qk-norms in fp32 q and k, and Gemma-2's post-norms
+  in fp32 the output projections': its recompute does not save those again.
+- **full+offload** keeps the block input in host memory: on a device none of it, and the
+  recompute saves its own copy; on the CPU it is "full".
+- A rotary model's blocks share the cos and sin tables (``2·s·d·b`` per sequence
+  position, batch 1, d the rotated share of the head dimension), which the rotation
+  saves and a checkpoint holds as its arguments, and so the eager path's additive
+  causal mask (``s·b`` per token; Gemma-2 has a second for its sliding window), which
+  no block saves without checkpointing.
 
 A bare parameter count (no family) keeps Korthikanti et al.'s constants, as the source
 documents write them: ``34·t·h`` 16-bit bytes per layer plus ``5·a·s·t`` without flash.
@@ -160,9 +179,11 @@ class Saved:
     """A micro-batch's saved bytes, by when backward frees them."""
 
     blocks: int
-    """Every block's at the end of the forward (a checkpointed block: its input)."""
+    """Every block's at the end of the forward (a checkpointed block: what its mode
+    keeps)."""
     recompute: int = 0
-    """One checkpointed block recomputed during its backward; 0 without checkpointing."""
+    """One checkpointed block's recompute, beyond what the block kept: 0 without
+    checkpointing."""
     head: int = 0
     """The output layer's and the loss's, the input ids included: gone once the head's
     backward ran, before any block is recomputed."""
@@ -171,25 +192,79 @@ class Saved:
 
     @property
     def peak(self) -> int:
-        """The most saved at once: every block's with the head's or one recomputed
-        block's."""
-        return self.blocks + max(self.head, self.recompute)
+        """The most saved at once: every block's with the head's, or with one recomputed
+        block's and the input ids."""
+        return self.blocks + max(self.head, self.recompute + self.kept)
+
+
+#: What a checkpointed block keeps on the device, per ``Workload.checkpoint_mode``.
+KEEPS = ("input", "linear", "host")
+
+
+def _linear_outputs(arch: Architecture, b: int, tp: int) -> tuple[int, int]:
+    """(replicated, split) bytes per token of a block's linear layers' outputs: the
+    output projections' (partial sums, full width under tensor parallelism), and the qkv
+    and MLP input projections'."""
+    h, f, q, kv = arch.hidden, arch.ffn, arch.q_width, arch.kv_width
+    qkv = 3 * q if arch.family in ("gpt", "neox") else q + 2 * kv
+    mlp_in = (2 if arch.gated_mlp else 1) * f
+    return 2 * b * h, ceil_div(b * (qkv + mlp_in), tp)
+
+
+def _saved_again(arch: Architecture, b: int, flash: bool, keep: str, tp: int,
+                 batch: int) -> int:
+    """Bytes per token a checkpointed block's recompute saves that the block kept already
+    (the same storage, counted once): its input where the first norm saves it as it is,
+    and under "linear" the linear outputs the block itself saves (module docstring)."""
+    if keep == "host":
+        return 0
+    h, f, q, kv = arch.hidden, arch.ffn, arch.q_width, arch.kv_width
+    same = b * h if arch.norm_bias or b == 4 else 0
+    if keep == "input":
+        return same
+    if arch.family in ("gpt", "neox"):  # eager attention saves copies of q, k and v
+        split = 3 * q if flash or (arch.family == "neox" and batch == 1) else 0
+    else:
+        repeated = not flash and (arch.kv_heads or arch.heads) != arch.heads
+        split = 0 if repeated else kv
+        if arch.qk_norm and b == 4:
+            split += q + kv
+    split += (2 if arch.gated_mlp else 1) * f
+    if arch.family == "gemma2" and b == 4 and tp == 1:  # its post-norms save their inputs
+        same += 2 * b * h
+    return same + ceil_div(b * split, tp)
+
+
+def _rotary_tables(arch: Architecture, b: int, seq: int) -> int:
+    """Bytes of a rotary model's cos and sin tables (batch 1), shared by every block."""
+    if arch.max_positions:
+        return 0
+    return 2 * seq * int(arch.q_width // arch.heads * arch.rotary_fraction) * b
 
 
 def family_saved(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
-                 checkpoint_every: int | None, tp: int = 1, cpu: bool = False) -> Saved:
+                 checkpoint_every: int | None, tp: int = 1, cpu: bool = False,
+                 keep: str = "input") -> Saved:
     """The :class:`Saved` bytes of a micro-batch of ``tokens`` tokens (sequences of
-    ``seq``): every block, or with checkpointing every k-th block's input and one
-    recomputed block, and the output layer and loss; ``cpu``: dropout as on CPU."""
+    ``seq``): every block, or with checkpointing every k-th block's ``keep`` (one of
+    :data:`KEEPS`) and one recomputed block, and the output layer and loss; ``cpu``:
+    dropout as on CPU."""
     replicated, split = block_parts(arch, b, seq, flash, tokens // seq, cpu)
     block = tokens * replicated + ceil_div(tokens * split, tp)
     head = tokens * head_bytes(arch, b, cpu)
     kept = tokens * _embedding_bytes(arch, b, cpu)
+    shared = _rotary_tables(arch, b, seq)
     if checkpoint_every is None:
-        return Saved(arch.layers * block, 0, head, kept)
+        return Saved(arch.layers * block + shared, 0, head, kept)
+    holds = {"input": b * arch.hidden, "host": 0}.get(keep)
+    if holds is None:
+        rep, spl = _linear_outputs(arch, b, tp)
+        holds = b * arch.hidden + rep + spl
     ckpt = arch.layers // checkpoint_every
-    stored = (arch.layers - ckpt) * block + ckpt * tokens * b * arch.hidden
-    return Saved(stored, block, head, kept)
+    stored = (arch.layers - ckpt) * block + ckpt * tokens * holds + shared
+    again = tokens * _saved_again(arch, b, flash, keep, tp, tokens // seq)
+    masks = 0 if flash else tokens * seq * b * (2 if arch.family == "gemma2" else 1)
+    return Saved(stored + masks, block - again, head, kept)
 
 
 def family_bytes(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
@@ -200,11 +275,13 @@ def family_bytes(arch: Architecture, b: int, tokens: int, seq: int, flash: bool,
 
 def korthikanti_saved(hidden: int, layers: int, heads: int | None, b: int, tokens: int,
                       seq: int, flash: bool, checkpointing: bool,
-                      tp: int = 1) -> Saved | None:
+                      tp: int = 1, keep: str = "input") -> Saved | None:
     """The source documents' formula for a bare count: per layer ``t·h·(10 + 24/K)``
     16-bit bytes plus ``5·a·s·t/K`` without flash (Korthikanti et al., 2022, eq. 3);
-    with checkpointing the L layer inputs plus one layer's recompute. No output layer:
-    a bare count has no vocabulary."""
+    with checkpointing the L layer inputs plus one layer's recompute (selective: the
+    inputs and the linear layers' outputs of a GPT block, ``10·t·h`` elements with
+    ``f = 4h``; offloaded: nothing on the device). No output layer: a bare count has no
+    vocabulary."""
     per_layer_16bit = ceil_div((10 * tp + 24) * tokens * hidden, tp)
     if not flash:
         if heads is None:
@@ -214,7 +291,8 @@ def korthikanti_saved(hidden: int, layers: int, heads: int | None, b: int, token
             per_layer_16bit += ceil_div(5 * heads * seq * tokens, tp)
     if not checkpointing:
         return Saved(layers * per_layer_16bit * b // 2)
-    return Saved(tokens * hidden * layers * b, per_layer_16bit * b // 2)
+    holds = {"input": 1, "host": 0}.get(keep, 10)  # elements of t·h per layer
+    return Saved(tokens * hidden * layers * b * holds, per_layer_16bit * b // 2)
 
 
 def korthikanti_bytes(hidden: int, layers: int, heads: int | None, b: int, tokens: int,

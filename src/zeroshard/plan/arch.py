@@ -84,6 +84,9 @@ class Architecture:
     """Dropout on the embeddings' output (GPT-2's ``embd_pdrop``)."""
     attention_dropout: float = 0.0
     """Dropout on the attention probabilities (GPT-2's ``attn_pdrop``)."""
+    rotary_fraction: float = 1.0
+    """Of each head's dimensions, the share a rotary model rotates (GPT-NeoX's
+    ``partial_rotary_factor``, 0.25 in Pythia): the width of its cos and sin tables."""
     naming: str = ""
     """How its block's layers are named (LoRA's targets, ``spec/lora.py`` ``MODULES``):
     ``llama`` (Mistral, Qwen and Gemma-2 too), ``gpt2``, ``neox``, ``zeroshard`` (the
@@ -110,6 +113,9 @@ class Architecture:
                 raise ValueError(f"{self.name}: {field}={value!r} must be in [0, 1)")
         if self.max_positions < 0:
             raise ValueError(f"{self.name}: max_positions={self.max_positions} must be >= 0")
+        r = self.rotary_fraction
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+            raise ValueError(f"{self.name}: rotary_fraction={r!r} must be in (0, 1]")
         if self.family not in FAMILIES:
             raise ValueError(f"{self.name}: family={self.family!r}; expected one of "
                              f"{', '.join(FAMILIES)}")
@@ -209,7 +215,7 @@ PRESETS: dict[str, Architecture] = {
         _gpt2("gpt2-xl", 1600, 48, 25),
         Architecture(
             "pythia-160m", 768, 12, 12, 3072, 50304, gated_mlp=False, norm_bias=True,
-            linear_bias=True, family="neox",
+            linear_bias=True, family="neox", rotary_fraction=0.25,
         ),
     )
 }

@@ -36,6 +36,13 @@ def _field(config: dict, path: str, *names: str, default=None):
     return default
 
 
+def _rotary_fraction(config: dict) -> float:
+    """GPT-NeoX's rotated share of each head: ``rope_parameters`` (transformers 5) or
+    ``rotary_pct`` (earlier), 0.25 when neither says."""
+    rope = config.get("rope_parameters") or {}
+    return float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25)))
+
+
 def _rotary(config: dict, path: str, name: str, kind: str) -> Architecture:
     heads = _field(config, path, "num_attention_heads")
     attention_bias = bool(config.get("attention_bias", False))
@@ -103,6 +110,7 @@ def from_hf_config(path: str | Path) -> Architecture:
             norm_bias=True,
             linear_bias=True,
             family="neox" if config.get("use_parallel_residual", True) else "gpt",
+            rotary_fraction=_rotary_fraction(config),
             naming="neox",
         )
     raise ValueError(

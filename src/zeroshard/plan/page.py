@@ -114,9 +114,24 @@ def _model_state(model: ModelSpec | Architecture | str | None) -> dict:
             "hidden": model.hidden, "layers": model.layers, "heads": model.heads}
 
 
+#: The page's activation checkpointing choices (a device's: offload keeps nothing there).
+PAGE_CHECKPOINTING = ("none", "full", "selective", "full+offload")
+
+
+def page_mode(checkpointing: bool | str) -> str:
+    """The page's checkpointing: True is "full", False "none", else one of
+    :data:`PAGE_CHECKPOINTING` (every k-th block is ``zeroshard plan``'s alone)."""
+    if checkpointing is True or checkpointing is False:
+        return "full" if checkpointing else "none"
+    if checkpointing not in PAGE_CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r}: the page offers "
+                         f"{', '.join(map(repr, PAGE_CHECKPOINTING))}")
+    return checkpointing
+
+
 def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = False,
               recipe: str | Recipe = DEFAULT_RECIPE, tokens: int = 2048,
-              seq_len: int | None = None, checkpointing: bool = True,
+              seq_len: int | None = None, checkpointing: bool | str = True,
               flash_attention: bool = False, gpu_step: int | None = None,
               tp: int = 1, shard_group: int | None = None) -> dict:
     """Everything the page's scripts read: the planner's definitions and the initial
@@ -130,7 +145,9 @@ def page_data(model=None, gpus: int = 8, gpu_mem: float = 80.0, gib: bool = Fals
     if gpu_step is not None and gpu_step <= 0:
         raise ValueError(f"gpu_step={gpu_step!r} must be positive")
     shard_degree(gpus, 1, shard_group)  # validates the group: it divides the GPUs
-    Workload(tokens, seq_len, checkpointing, flash_attention)  # validates the workload
+    checkpointing = page_mode(checkpointing)
+    Workload.of_mode(tokens, seq_len, checkpointing,
+                     flash_attention=flash_attention)  # validates the workload
     recipe = get_recipe(recipe)
     recipes = {name: _recipe_data(r) for name, r in RECIPES.items()}
     recipes.setdefault(_recipe_key(recipe), _recipe_data(recipe))
@@ -175,7 +192,8 @@ def write_page(path: str | Path, **state) -> Path:
     ``state`` sets the controls the page opens with: ``model`` (a preset name, an
     :class:`Architecture` or a :class:`ModelSpec`), ``gpus``, ``gpu_mem`` (GB, or GiB
     with ``gib=True``), ``recipe`` (a name, ``W/G/O`` or a :class:`Recipe`), ``tokens``,
-    ``seq_len``, ``checkpointing``, ``flash_attention``, ``gpu_step`` (None: the
+    ``seq_len``, ``checkpointing`` (True, False or a mode of
+    :data:`PAGE_CHECKPOINTING`), ``flash_attention``, ``gpu_step`` (None: the
     fewest-GPU search tries powers of two) and ``shard_group`` (hybrid sharding's group
     size; None: plain). ``tp`` must be 1: the page has no tensor
     parallelism.

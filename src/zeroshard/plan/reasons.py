@@ -104,15 +104,7 @@ def reasons(best, found, need: dict, tps, groups: dict, cluster, limit: int,
                            + (f"; {', '.join(alts)}" if alts else ""))
     else:
         why["prefetch"] = "n/a: below stage 3 the weights are whole, nothing is gathered"
-    alt = best_where(found, checkpointing=not b.checkpointing, **same)
-    if b.checkpointing:
-        why["checkpointing"] = ("on: recomputing the forward costs a third more compute, "
-                                "but " + (f"without it the best is {pct(alt, b)} "
-                                          f"(micro-batch {alt.micro_batch})" if alt else
-                                          "without it even one sequence does not fit"))
-    else:
-        why["checkpointing"] = ("off: the activations fit, so no forward is recomputed"
-                                + (f"; with it {pct(alt, b)}" if alt else ""))
+    why["checkpointing"] = checkpointing_reason(b, found, same)
     why["micro-batch"] = (f"{b.micro_batch} sequence(s) of {seq_len} tokens per GPU, "
                           f"{b.accumulation} accumulation step(s): the largest that fits "
                           f"({gb(b.memory)} per GPU) for {global_batch} sequences over "
@@ -120,6 +112,29 @@ def reasons(best, found, need: dict, tps, groups: dict, cluster, limit: int,
                           "ranks; fewer passes mean fewer reductions (the engine reduces "
                           "after every backward)")
     return why
+
+
+#: What each mode recomputes in backward, for the reason's first words.
+_RECOMPUTES = {
+    "none": "none: every activation kept, nothing recomputed",
+    "selective": "selective: the linear layers' outputs kept, attention's core and the "
+                 "elementwise operations recomputed (a few percent more compute)",
+    "full": "full: each block keeps its input and recomputes its forward (a third more "
+            "compute)",
+}
+
+
+def checkpointing_reason(b, found, same: dict) -> str:
+    """Why this checkpointing: the least recompute whose micro-batch wins, and the best of
+    each other mode on the same layout."""
+    alts = []
+    for mode in _RECOMPUTES:
+        if mode == b.checkpointing:
+            continue
+        a = best_where(found, checkpointing=mode, **same)
+        alts.append(f"{mode} {pct(a, b)} (micro-batch {a.micro_batch})" if a else
+                    f"{mode} does not fit even one sequence")
+    return _RECOMPUTES[b.checkpointing] + "; " + ", ".join(alts)
 
 
 def _group_name(shard_group: int | str, cluster) -> str:

@@ -93,7 +93,7 @@ def recommend(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, clus
               global_batch: int, seq_len: int, flash_attention: bool = False,
               tp: int | None = None, prefetch: int | None = None,
               runners_up: int = 5, headroom: float = HEADROOM, allow_offload: bool = True,
-              offload_dir=None) -> Recommendation:
+              offload_dir=None, checkpointing: str | None = None) -> Recommendation:
     """The recommended configuration for ``global_batch`` sequences of ``seq_len``,
     leaving ``headroom`` (a fraction) of each GPU's memory free. ``config`` gives the
     precision, a fixed shard group (``shard_group``: K, or ``"node"``: a node's
@@ -101,7 +101,9 @@ def recommend(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, clus
     offload (only configurations with it, where it goes); its stage and prefetch are
     chosen. Without an offload in ``config`` (and with no fixed group, and
     ``allow_offload``) one is tried only when nothing fits without, placed at
-    ``offload_dir`` (None: host memory; ``PLANNED_DISK`` or a folder: disk)."""
+    ``offload_dir`` (None: host memory; ``PLANNED_DISK`` or a folder: disk).
+    ``checkpointing`` fixes the activation checkpointing (None: none, selective and full
+    are weighed, the least recompute preferred within 1%)."""
     for name, v in (("gpus", gpus), ("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name}={v!r} must be a positive integer")
@@ -111,7 +113,8 @@ def recommend(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, clus
         raise NotImplementedError("recommend does not weigh hpZ or quantized collectives "
                                   "yet; plan them with plan_all and step_times")
     found, need, tps, groups = search(model, config, gpus, budget, cluster, global_batch,
-                                      seq_len, flash_attention, tp, prefetch, headroom)
+                                      seq_len, flash_attention, tp, prefetch, headroom,
+                                      checkpointing)
     device_need, offload_need = need, {}
     # offload when nothing fits on the device; a fixed shard group is told that a larger
     # group (or plain sharding) fits instead
@@ -121,7 +124,7 @@ def recommend(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, clus
         offloaded = replace(config, stage=3, offload=more, offload_dir=offload_dir)
         found, offload_need, tps, groups = search(model, offloaded, gpus, budget, cluster,
                                                   global_batch, seq_len, flash_attention,
-                                                  tp, prefetch, headroom)
+                                                  tp, prefetch, headroom, checkpointing)
         if found:  # stage 0 cannot offload: its need stays the device's
             need = {**device_need, **offload_need}
             break

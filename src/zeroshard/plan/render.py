@@ -40,10 +40,25 @@ def models(presets) -> None:
     _console().print(t)
 
 
+def checkpointing_words(work) -> str:
+    """"checkpointing full", "checkpointing every 2nd block", "no checkpointing"."""
+    mode = work.mode
+    if mode == "none":
+        return "no checkpointing"
+    if isinstance(mode, int):
+        return f"checkpointing every {ordinal(mode)} block"
+    return f"checkpointing {mode}"
+
+
+def ordinal(k: int) -> str:
+    """2nd, 3rd, 11th, 21st."""
+    end = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{end}"
+
+
 def plan_table(model, recipe, work, gpus, budget, plans, shown, unit, gib) -> None:
     u = "GiB" if gib else "GB"
-    act = "checkpointing" if work.checkpointing else (
-        "no checkpointing, flash attention" if work.flash_attention else "no checkpointing")
+    act = checkpointing_words(work) + (", flash attention" if work.flash_attention else "")
     title = (f"{model.name} (P = {model.params:,}), N = {gpus} GPUs, {recipe.name} "
              f"({recipe.total_bytes} bytes/param), {work.tokens:,} tokens, {act}")
     if plans[0].tp > 1:
@@ -222,7 +237,7 @@ def _config_row(c, best, unit) -> list[str]:
     return [c.strategy, str(c.tp), "all" if c.shard_group is None else str(c.shard_group),
             str(c.blocks_per_unit),
             str(c.prefetch) if c.policy.shards_params else "-",
-            "on" if c.checkpointing else "off",
+            c.checkpointing,
             f"{c.micro_batch} x {c.accumulation}", _fmt(c.memory, unit), f"{c.time.step:.3f}",
             f"{c.time.tokens_per_gpu:,.0f}", f"{c.time.exposed:.3f}",
             "best" if c is best else f"{(c.time.step / best.time.step - 1) * 100:+.1f}%"]
@@ -243,7 +258,7 @@ def recommendation(model, recipe, args, rec, unit, gib) -> None:
     values = {"stage": b.strategy, "tp": str(b.tp), "shard group": group,
               "unit size": f"{b.blocks_per_unit} block(s)",
               "prefetch": str(b.prefetch) if b.policy.shards_params else "-",
-              "checkpointing": "on" if b.checkpointing else "off",
+              "checkpointing": b.checkpointing,
               "micro-batch": f"{b.micro_batch} x {b.accumulation} steps",
               "offload": b.offload or "none"}
     t = Table(title=f"recommended: {head}", title_justify="left", show_lines=True)

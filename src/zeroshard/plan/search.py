@@ -2,7 +2,8 @@
 
 Every combination of stage (0–3), tensor-parallel degree, shard group (plain, or hybrid
 sharding in groups of whole nodes), blocks per unit (1, 2, 4), stage-3 prefetch depth
-(0, 1, 2) and activation checkpointing is given the largest micro-batch whose planned
+(0, 1, 2) and activation checkpointing (none, selective, full: the least recompute
+first) is given the largest micro-batch whose planned
 peak (``peak.peak``: the loss's backward with every activation and the logits'
 gradients, each unit's backward with the reductions in flight, the end of backward, and
 the optimizer step with its buffers and temporaries) stays within the budget less
@@ -60,8 +61,9 @@ class Candidate:
     """Transformer blocks per unit."""
     prefetch: int
     """Stage-3 prefetch depth (0 below stage 3: nothing is gathered before use)."""
-    checkpointing: bool
-    """Activation checkpointing."""
+    checkpointing: str
+    """Activation checkpointing, one of :data:`CHECKPOINTING` (``ZeroConfig.
+    activation_checkpointing``'s modes)."""
     micro_batch: int
     """Sequences per GPU per forward."""
     accumulation: int
@@ -104,7 +106,7 @@ class Candidate:
     def key(self) -> tuple:
         """How much machinery it needs, least first (the rule order of ``recommend.py``)."""
         return (self.offload is not None, self.offload == "params", self.stage, self.tp,
-                self.shard_group is not None, self.checkpointing,
+                self.shard_group is not None, CHECKPOINTING.index(self.checkpointing),
                 self.prefetch, self.blocks_per_unit != 1, self.blocks_per_unit,
                 -self.micro_batch)
 
@@ -116,6 +118,11 @@ class Candidate:
                 "checkpointing": self.checkpointing, "micro_batch": self.micro_batch,
                 "accumulation": self.accumulation, "memory": self.memory,
                 "time": self.time.as_dict()}
+
+
+#: The checkpointing modes weighed, the least recomputed first (``Candidate.key``): none,
+#: selective (attention's core again), full (a whole forward again).
+CHECKPOINTING = ("none", "selective", "full")
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -136,14 +143,21 @@ def shard_groups(gpus: int, tp: int, cluster: Cluster) -> list[int]:
 
 def search(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, cluster: Cluster,
            global_batch: int, seq_len: int, flash_attention: bool = False,
-           tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM):
+           tp: int | None = None, prefetch: int | None = None, headroom: float = HEADROOM,
+           checkpointing: str | None = None):
     """(every fitting candidate, the smallest need per (stage, tp, shard group), the TP
     degrees tried, the hybrid shard groups tried per TP degree). ``config``: the
     precision, the offload and where (only the stages that take it are tried), and
     ``shard_group``: None weighs plain sharding and :func:`shard_groups`; K that group
     only, at the TP degrees whose data-parallel ranks it divides (all the ranks: plain
     only); ``"node"`` a node's data-parallel ranks at each degree. Its stage and
-    prefetch are what the search varies (``prefetch`` given: that depth only)."""
+    prefetch are what the search varies (``prefetch`` given: that depth only), and the
+    checkpointing (``checkpointing`` given, one of :data:`CHECKPOINTING`: that mode
+    only)."""
+    if checkpointing is not None and checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r}: the search weighs "
+                         f"{', '.join(CHECKPOINTING)}")
+    modes = CHECKPOINTING if checkpointing is None else (checkpointing,)
     if model.hidden is None or model.layers is None:
         raise ValueError("--recommend needs the model's shape: give --hidden and --layers "
                          "(or a preset)")
@@ -175,12 +189,12 @@ def search(model: ModelSpec, config: ZeroConfig, gpus: int, budget: int, cluster
             plain = [None] if fixed is None or fixed == dp else []
             for group in plain + hybrid:
                 found += _fits(model, staged, gpus, cluster, k, group, per_rank, seq_len,
-                               flash_attention, prefetch, limit, need)
+                               flash_attention, prefetch, limit, need, modes)
     return found, need, tps, groups
 
 
 def _fits(model, config, gpus, cluster, tp, group, per_rank, seq_len, flash, prefetch,
-          limit, need) -> list[Candidate]:
+          limit, need, modes=CHECKPOINTING) -> list[Candidate]:
     """The candidates of one (tp, stage, shard group): per checkpointing, unit size and
     depth, the largest micro-batch whose planned peak (``peak.peak``: the loss's
     backward with its logits' gradients, each unit's backward with the reductions in
@@ -190,14 +204,15 @@ def _fits(model, config, gpus, cluster, tp, group, per_rank, seq_len, flash, pre
     policy = config.policy
     depths = (PREFETCH if prefetch is None else (prefetch,)) if policy.shards_params else (0,)
     dims = ParallelDims(gpus, tp, group)
-    for ckpt in (False, True):
+    for ckpt in modes:
         for blocks in BLOCKS_PER_UNIT:
             if blocks > model.layers:
                 continue
             for depth in depths:
                 at = replace(config, prefetch=depth, shard_group=group)
                 for micro in _divisors_desc(per_rank):
-                    work = Workload(micro * seq_len, seq_len, ckpt, flash)
+                    work = Workload.of_mode(micro * seq_len, seq_len, ckpt,
+                                            flash_attention=flash)
                     acc = per_rank // micro
                     mem = peak(model, dims, at, work, blocks, acc).bytes
                     key = (config.stage, tp, group)

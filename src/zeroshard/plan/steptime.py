@@ -1,14 +1,15 @@
-"""The step-time model: compute, communication, copies, and what the engine hides
-(the equations and their validation: docs/steptime.md).
+"""The step-time model: compute, communication, copies, and what the engine hides (the
+equations and their validation: docs/steptime.md).
 
-**Compute.** Per token, forward ``2·P + 4·L·h·s`` FLOPs (a multiply-add per weight; the
-attention scores and weighted sum over ``s`` positions), backward twice that: ``6·P +
-12·L·h·s`` (Kaplan et al., 2020, table 1; Narayanan et al., 2021, section 5.1);
-checkpointing recomputes the forward of every k-th block (``checkpoint_every``), a
-share 1/k of ``2·P + 4·L·h·s``. TP of degree K gives each GPU 1/K. Model FLOPs and
-recompute are charged apart: time = (model FLOPs + ``recompute_charge`` × recomputed
-FLOPs) / (peak × efficiency), both calibrated per accelerator on published runs
-(``plan/published.py``; docs/steptime.md).
+**Compute.** Per token, forward
+``2·P + 4·L·h·s`` FLOPs (a multiply-add per weight; the attention scores and weighted
+sum over ``s`` positions), backward twice that: ``6·P + 12·L·h·s`` (Kaplan et al., 2020,
+table 1; Narayanan et al., 2021, section 5.1); checkpointing recomputes the forward of
+every k-th block (``checkpoint_every``), a share 1/k of ``2·P + 4·L·h·s``; selective
+checkpointing attention's ``4·L·h·s`` alone. TP of degree K gives each GPU 1/K. Model
+FLOPs and recompute are charged apart: time = (model FLOPs + ``recompute_charge`` ×
+recomputed FLOPs) / (peak × efficiency), both calibrated per accelerator on published
+runs (``plan/published.py``; docs/steptime.md).
 
 **Communication** (ring alpha-beta model; Thakur, Rabenseifner and Gropp, 2005;
 Patarasuk and Yuan, 2009): over n ranks a reduce-scatter or all-gather of T bytes takes
@@ -119,6 +120,26 @@ def train_flops_per_token(model: ModelSpec, seq_len: int, checkpointing: bool) -
     return forward * (4 if checkpointing else 3)
 
 
+def recomputed_share(model: ModelSpec, seq_len: int, work) -> float:
+    """The share of a forward's FLOPs that checkpointing runs again in backward: every
+    k-th block's whole forward (full), or of every block only attention's core, the
+    ``4·L·h·s`` of scores and weighted sums (selective: the linear layers' outputs are
+    kept, and what else it recomputes, norms and elementwise operations, is few FLOPs;
+    Korthikanti et al., 2022, section 5)."""
+    if work.mode == "selective":
+        attention = 4 * model.layers * model.hidden * seq_len
+        return attention / (2 * model.params + attention)
+    return recomputed_blocks(work)
+
+
+def recomputed_blocks(work) -> float:
+    """The share of blocks whose whole forward runs again: 1/k with checkpointing of
+    every k-th block, 0 without or with selective checkpointing."""
+    if not work.checkpointing or work.mode == "selective":
+        return 0.0
+    return 1 / work.checkpoint_every
+
+
 @dataclass(frozen=True)
 class Schedule:
     """How one optimizer step runs beyond what ``ZeroConfig`` says: the unit size the
@@ -209,9 +230,10 @@ def step_time(model: ModelSpec, dims: ParallelDims, config: ZeroConfig, work: Wo
         2 * tp_ar + ring_time("all_gather", work.tokens * model.arch.vocab * b_act, tp,
                               cluster.link(tp)))
     f_unit = fwd / units + r * layers_per_unit * tp_ar
-    # the recomputed share of a forward (every k-th block), charged at recompute_charge
-    ckpt = 1 / work.checkpoint_every if work.checkpointing else 0
-    recompute = ckpt * acc.recompute_charge
+    # the recomputed share of a forward, charged at recompute_charge; a recomputed
+    # block's TP all-reduces again (selective keeps the outputs they follow)
+    recompute = recomputed_share(model, seq, work) * acc.recompute_charge
+    ckpt = recomputed_blocks(work)
     b_unit = (2 + recompute) * fwd / units + (c + r * ckpt) * layers_per_unit * tp_ar
 
     link = cluster.link(dp * tp)  # the shard group's K·tp consecutive GPUs

@@ -33,6 +33,9 @@ from .activations import Saved, family_saved, korthikanti_saved
 from .arch import ModelSpec
 from .tp import tp_layer_collectives, tp_root_bytes
 
+#: What a checkpointed block keeps (``Workload.checkpoint_mode``).
+CHECKPOINT_MODES = ("full", "selective", "full+offload")
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -53,6 +56,36 @@ class Workload:
     cpu: bool = False
     """The step runs on CPU: dropout keeps noise of the activation dtype, and attention
     with dropout takes the math path (``plan/activations.py``)."""
+    checkpoint_mode: str = "full"
+    """With checkpointing, what a checkpointed block keeps (``ZeroConfig.
+    activation_checkpointing``'s modes): "full" its input; "selective" its input and its
+    linear layers' outputs; "full+offload" its input in host memory (on a device)."""
+
+    @classmethod
+    def of_mode(cls, tokens: int, seq_len: int | None, mode: str | int, **kw) -> Workload:
+        """The workload of a ``ZeroConfig.activation_checkpointing`` mode ("none", "full",
+        "selective", "full+offload" or every k-th block)."""
+        if mode == "none":
+            return cls(tokens, seq_len, False, **kw)
+        if isinstance(mode, int):
+            return cls(tokens, seq_len, True, checkpoint_every=mode, **kw)
+        return cls(tokens, seq_len, True, checkpoint_mode=mode, **kw)
+
+    @property
+    def mode(self) -> str | int:
+        """This workload's checkpointing as ``ZeroConfig.activation_checkpointing``
+        writes it."""
+        if not self.checkpointing:
+            return "none"
+        return self.checkpoint_every if self.checkpoint_every > 1 else self.checkpoint_mode
+
+    @property
+    def keep(self) -> str:
+        """What a checkpointed block keeps on the device (``plan/activations.py``'s
+        ``KEEPS``): host memory holds an offloaded input only where a device runs."""
+        if self.checkpoint_mode == "full+offload":
+            return "input" if self.cpu else "host"
+        return {"full": "input", "selective": "linear"}[self.checkpoint_mode]
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, int) or self.tokens <= 0:
@@ -67,6 +100,12 @@ class Workload:
         k = self.checkpoint_every
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValueError(f"checkpoint_every={k!r} must be a positive integer")
+        if self.checkpoint_mode not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint_mode={self.checkpoint_mode!r}; expected one of "
+                             f"{', '.join(map(repr, CHECKPOINT_MODES))}")
+        if k > 1 and self.checkpoint_mode != "full":
+            raise ValueError(f"checkpoint_every={k} checkpoints every k-th block in full; "
+                             f"checkpoint_mode={self.checkpoint_mode!r} goes with k = 1")
 
 
 def activation_saved(model: ModelSpec, recipe: Recipe, work: Workload,
@@ -81,12 +120,12 @@ def activation_saved(model: ModelSpec, recipe: Recipe, work: Workload,
     every = work.checkpoint_every if work.checkpointing else None
     if model.arch is not None:
         return family_saved(model.arch, b, work.tokens, seq, work.flash_attention, every, tp,
-                            work.cpu)
+                            work.cpu, work.keep)
     if every not in (None, 1):
         raise NotImplementedError("checkpointing every k-th block needs the architecture "
                                   "(a preset, --hf-config or dimensions)")
     return korthikanti_saved(model.hidden, model.layers, model.heads, b, work.tokens, seq,
-                             work.flash_attention, work.checkpointing, tp)
+                             work.flash_attention, work.checkpointing, tp, work.keep)
 
 
 def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
@@ -100,14 +139,15 @@ def activation_bytes(model: ModelSpec, recipe: Recipe, work: Workload,
 def tp_comm_bytes(model: ModelSpec, recipe: Recipe, work: Workload, tp: int) -> int:
     """Bytes one GPU sends per micro-batch in TP's activation collectives (``plan/tp.py``):
     per layer r all-reduces of ``tokens·h`` elements in forward and c in backward (a
-    bare count: Megatron-LM's 2 and 2), r more for a checkpointed block's recomputed
+    bare count: Megatron-LM's 2 and 2), r more for a fully checkpointed block's recomputed
     forward, and the root's (a vocabulary-parallel embedding and output head)."""
     if tp == 1:
         return 0
     if model.hidden is None or model.layers is None:
         raise ValueError("tensor parallelism needs the model's shape: give --hidden and --layers")
     r, c = tp_layer_collectives(model)
-    recomputed = model.layers // work.checkpoint_every if work.checkpointing else 0
+    full = work.checkpointing and work.mode != "selective"  # selective keeps what TP reduces
+    recomputed = model.layers // work.checkpoint_every if full else 0
     b = recipe.activation_bytes
     one = ring_all_reduce(work.tokens * model.hidden * b, tp)
     return ((model.layers * (r + c) + recomputed * r) * one

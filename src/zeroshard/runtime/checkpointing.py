@@ -88,8 +88,9 @@ def checkpoints_itself(module: torch.nn.Module) -> bool:
     """Whether ``module`` recomputes its own activations already: transformers' models
     after ``gradient_checkpointing_enable`` (peft's through their base), the built-in
     GPT built with ``checkpointing``."""
-    if getattr(module, "is_gradient_checkpointing", False) is True:
-        return True
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # 5.x, 4.x
+        if hasattr(type(module), name):
+            return getattr(module, name) is True
     return getattr(getattr(module, "config", None), "checkpointing", False) is True
 
 

@@ -39,7 +39,7 @@ GENERATE_GATHERS = ("auto", "whole", "unit")
 _PRECISION = {None: "fp32-adamw", "fp32": "fp32-adamw", "bf16": "bf16-mixed-adamw",
               "fp16": "fp16-mixed-adamw"}
 
-def _checkpointing(mode) -> str | int:
+def check_checkpointing(mode) -> str | int:
     """``activation_checkpointing`` checked: a named mode, or k >= 1 (a count written as
     text, as a flag gives it, read as the number; 1 is "full")."""
     if isinstance(mode, str) and mode.strip().isdigit():
@@ -271,7 +271,7 @@ class ZeroConfig:
                             offload=self.offload)
         check_disk(self)
         object.__setattr__(self, "activation_checkpointing",
-                           _checkpointing(self.activation_checkpointing))
+                           check_checkpointing(self.activation_checkpointing))
         if self.generate_gather not in GENERATE_GATHERS:
             raise ValueError(f"generate_gather={self.generate_gather!r}; expected one of "
                              f"{', '.join(map(repr, GENERATE_GATHERS))}")

@@ -84,7 +84,7 @@ const App = (() => {
     if (!(mem > 0)) throw new Error("memory per GPU must be positive");
     const work = {
       tokens: integer("tokens", "tokens"), seq_len: integer("seq-len", "sequence length", true),
-      checkpointing: $("checkpointing").checked, flash_attention: $("flash-attention").checked,
+      checkpointing: $("checkpointing").value, flash_attention: $("flash-attention").checked,
     };
     // memory.Workload.__post_init__
     if (work.seq_len && work.tokens % work.seq_len) {
@@ -177,7 +177,7 @@ const App = (() => {
     $("recipe-custom").hidden = init.recipe !== "custom";
     $("tokens").value = init.tokens;
     $("seq-len").value = init.seq_len ?? "";
-    $("checkpointing").checked = init.checkpointing;
+    $("checkpointing").value = init.checkpointing;
     $("flash-attention").checked = init.flash_attention;
     $("gpu-step").value = init.gpu_step ?? "";
     $("shard-group").value = init.shard_group ?? "";

@@ -89,39 +89,78 @@ const Planner = (() => {
     const n = norm(a, b, h) + b * h + (a.norm_bias ? b * h : 0n);
     return n + (a.family === "gemma2" ? b * v : 0n) + 4n * v + 16n;
   }
-  // activations.family_bytes with checkpoint_every = 1 (the page's checkpointing).
-  function familyBytes(a, b, tokens, seq, flash, checkpointing) {
+  // activations._linear_outputs, _saved_again and _rotary_tables (tp = 1): what a
+  // checkpointed block keeps beyond its input under "selective", what its recompute
+  // saves that it kept, and a rotary model's cos and sin tables shared by every block.
+  function linearOutputs(a, b) {
+    const h = big(a.hidden), f = big(a.ffn), q = big(qWidth(a)), kv = big(kvWidth(a));
+    const fused = a.family === "gpt" || a.family === "neox";
+    return 2n * b * h + b * ((fused ? 3n * q : q + 2n * kv) + (a.gated_mlp ? 2n : 1n) * f);
+  }
+  function savedAgain(a, b, flash, keep, batch) {
+    if (keep === "host") return 0n;
+    const h = big(a.hidden), f = big(a.ffn), q = big(qWidth(a)), kv = big(kvWidth(a));
+    let same = a.norm_bias || b === 4n ? b * h : 0n;
+    if (keep === "input") return same;
+    let split;
+    if (a.family === "gpt" || a.family === "neox") {
+      split = flash || (a.family === "neox" && batch === 1n) ? 3n * q : 0n;
+    } else {
+      const repeated = !flash && (a.kv_heads || a.heads) !== a.heads;
+      split = repeated ? 0n : kv;
+      if (a.qk_norm && b === 4n) split += q + kv;
+    }
+    split += (a.gated_mlp ? 2n : 1n) * f;
+    if (a.family === "gemma2" && b === 4n) same += 2n * b * h;
+    return same + b * split;
+  }
+  const rotaryTables = (a, b, seq) => (a.max_positions ? 0n
+    : 2n * seq * big(Math.floor(headDim(a) * (a.rotary_fraction ?? 1))) * b);
+  // The page plans a device: an offloaded input is in host memory (memory.Workload.keep).
+  const KEEP = { full: "input", selective: "linear", "full+offload": "host" };
+
+  // activations.family_saved with checkpoint_every = 1, and Saved.peak; ``mode`` is the
+  // page's checkpointing: none, full, selective or full+offload.
+  function familyBytes(a, b, tokens, seq, flash, mode) {
     const [replicated, split] = blockParts(a, b, seq, flash, tokens / seq);
     const block = tokens * (replicated + split);
     const head = tokens * headBytes(a, b);
-    const layers = big(a.layers);
-    if (!checkpointing) return layers * block + head;
-    return layers * tokens * b * big(a.hidden) + (head > block ? head : block);
+    const kept = tokens * 8n; // the embedding's input ids
+    const layers = big(a.layers), shared = rotaryTables(a, b, seq);
+    if (mode === "none") return layers * block + shared + head;
+    const keep = KEEP[mode];
+    const holds = keep === "host" ? 0n : b * big(a.hidden)
+      + (keep === "linear" ? linearOutputs(a, b) : 0n);
+    const masks = flash ? 0n : tokens * seq * b * (a.family === "gemma2" ? 2n : 1n);
+    const recompute = block - tokens * savedAgain(a, b, flash, keep, tokens / seq) + kept;
+    return layers * tokens * holds + shared + masks + (head > recompute ? head : recompute);
   }
 
   // memory.activation_bytes: the family's model when the architecture is known, else
-  // activations.korthikanti_bytes: checkpointing keeps L layer inputs plus one layer's
-  // recompute, tokens·h·L·bytes + 34·tokens·h 16-bit bytes (+ 5·a·s·tokens unless
-  // flash attention, when the heads are known); without it L such layers.
+  // activations.korthikanti_bytes: checkpointing keeps L layer inputs (selective: 10
+  // elements of tokens·h a layer; offloaded: none) plus one layer's recompute,
+  // 34·tokens·h 16-bit bytes (+ 5·a·s·tokens unless flash attention, when the heads are
+  // known); without it L such layers.
   function activationBytes(model, recipe, work) {
     if (model.hidden == null || model.layers == null) return null;
     const b = big(recipe.activation_bytes), tokens = big(work.tokens);
     const seq = big(work.seq_len || work.tokens);
+    const mode = work.checkpointing;
     if (model.arch) {
-      return familyBytes(model.arch, b, tokens, seq, work.flash_attention,
-        work.checkpointing);
+      return familyBytes(model.arch, b, tokens, seq, work.flash_attention, mode);
     }
     const h = big(model.hidden), layers = big(model.layers);
     let perLayer16bit = 34n * tokens * h;
     if (!work.flash_attention) {
       if (model.heads == null) {
-        if (!work.checkpointing) return null;
+        if (mode === "none") return null;
       } else {
         perLayer16bit += 5n * big(model.heads) * seq * tokens;
       }
     }
-    if (!work.checkpointing) return (layers * perLayer16bit * b) / 2n;
-    return tokens * h * layers * b + (perLayer16bit * b) / 2n;
+    if (mode === "none") return (layers * perLayer16bit * b) / 2n;
+    const holds = { full: 1n, selective: 10n, "full+offload": 0n }[mode];
+    return tokens * h * layers * b * holds + (perLayer16bit * b) / 2n;
   }
 
   // memory.ring_all_reduce: 2(N-1)/N·t bytes sent per rank.
