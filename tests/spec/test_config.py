@@ -77,6 +77,48 @@ def test_deepspeed_translator_names_keys_and_leaves_handled_ones_to_the_caller(r
             ZeroConfig.from_deepspeed(bad)
 
 
+def test_activation_checkpointing_modes():
+    """The named modes, a count k of blocks (written as a number or, as a flag gives it, as
+    text; 1 is "full"), and a clear error for anything else."""
+    for mode in ("none", "full", "selective", "full+offload"):
+        assert ZeroConfig(activation_checkpointing=mode).activation_checkpointing == mode
+    assert ZeroConfig(activation_checkpointing=3).activation_checkpointing == 3
+    assert ZeroConfig(activation_checkpointing="2").activation_checkpointing == 2
+    assert ZeroConfig(activation_checkpointing=1).activation_checkpointing == "full"
+    expected = ("; expected one of 'none', 'full', 'selective', 'full+offload' or a count "
+                "k >= 1 (every k-th unit)")
+    for bad, shown in (("all", "'all'"), (0, "0"), ("-1", "'-1'"), (True, "True"),
+                       (2.5, "2.5")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"activation_checkpointing={shown}{expected}")):
+            ZeroConfig(activation_checkpointing=bad)
+
+
+def test_deepspeed_activation_checkpointing_section(recwarn):
+    """Present, it asks for checkpointing ("full+offload" with cpu_checkpointing); its
+    other keys are named in the one warning; zeroshard's own field (a mode) is not
+    taken for DeepSpeed's section."""
+    ds = {"zero_optimization": {"stage": 3},
+          "activation_checkpointing": {"partition_activations": True,
+                                       "cpu_checkpointing": True, "number_checkpoints": 4}}
+    assert ZeroConfig.load(ds).activation_checkpointing == "full+offload"
+    assert [str(w.message) for w in recwarn.list] == [
+        "DeepSpeed config keys ignored by zeroshard: "
+        "activation_checkpointing.number_checkpoints, "
+        "activation_checkpointing.partition_activations"]
+    assert ZeroConfig.load({"activation_checkpointing": {}}).activation_checkpointing == "full"
+    assert ZeroConfig.load({"stage": 3, "activation_checkpointing": "selective"}) == (
+        ZeroConfig(stage=3, activation_checkpointing="selective"))
+    for bad, message in [
+            ({"activation_checkpointing": {"cpu_checkpointing": "yes"}},
+             "activation_checkpointing.cpu_checkpointing='yes' must be true or false"),
+            ({"zero_optimization": {"stage": 3}, "activation_checkpointing": "full"},
+             "activation_checkpointing='full' must be a JSON object (zeroshard's "
+             "activation_checkpointing mode goes in a zeroshard config)")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ZeroConfig.load(bad)
+
+
 def test_shard_without_process_group_is_a_clear_error():
     with pytest.raises(ValueError, match="call zs.init_distributed"):
         zs.shard(MLP(), stage=2)

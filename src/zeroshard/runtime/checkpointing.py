@@ -88,6 +88,9 @@ def checkpoints_itself(module: torch.nn.Module) -> bool:
     """Whether ``module`` recomputes its own activations already: transformers' models
     after ``gradient_checkpointing_enable`` (peft's through their base), the built-in
     GPT built with ``checkpointing``."""
+    base = getattr(module, "get_base_model", None)
+    if callable(base):  # peft's model: its base says
+        module = base()
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # 5.x, 4.x
         if hasattr(type(module), name):
             return getattr(module, name) is True
@@ -115,6 +118,11 @@ class _Checkpointed:
         functools.update_wrapper(self, forward)
         self.forward, self.mode, self.events, self.unit = forward, mode, events, unit
         self.context = _selective if mode == "selective" else noop_context_fn
+
+    def compile(self, *args, **kwargs) -> None:
+        """``torch.compile`` the unit's own forward, which the checkpoint then calls (and
+        calls again to recompute: ``ShardedModel.compile``)."""
+        self.forward = torch.compile(self.forward, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:

@@ -30,12 +30,20 @@ SCALER_KEYS = tuple(DEEPSPEED_FP16)
 #: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by
 #: :func:`deepspeed_offload` into ``offload`` and ``offload_dir``.
 _OFFLOAD_KEYS = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
-_DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16")
+#: DeepSpeed's activation checkpointing section: present, it asks for checkpointing
+#: ("full"; ``cpu_checkpointing``: "full+offload"); its other keys (``partition_activations``
+#: splits the checkpoints over model-parallel ranks, ``contiguous_memory_optimization``,
+#: ``number_checkpoints``, ``synchronize_checkpoint_boundary``, ``profile``) are named in
+#: the warning.
+_CHECKPOINTING = "activation_checkpointing"
+_DEEPSPEED_SECTIONS = ("zero_optimization", "bf16", "fp16", _CHECKPOINTING)
 
 
 def is_deepspeed(d: dict) -> bool:
-    """Whether a config dict is DeepSpeed's (it has one of the sections the engine reads)."""
-    return any(s in d for s in _DEEPSPEED_SECTIONS)
+    """Whether a config dict is DeepSpeed's (it has one of the sections the engine reads;
+    ``activation_checkpointing`` as a section, where zeroshard's field is a mode)."""
+    return any(s in d for s in _DEEPSPEED_SECTIONS[:-1]) or isinstance(d.get(_CHECKPOINTING),
+                                                                       dict)
 
 
 def fields_set(d: dict) -> dict[str, str]:
@@ -51,6 +59,8 @@ def fields_set(d: dict) -> dict[str, str]:
         if isinstance(zero, dict) and key.partition(".")[2] in zero:
             out.setdefault("offload", key)
             out.setdefault("offload_dir", key)
+    if _CHECKPOINTING in d:
+        out.setdefault("activation_checkpointing", _CHECKPOINTING)
     return out
 
 
@@ -61,8 +71,10 @@ def translate(d: dict, handled: Iterable[str], make: Callable):
     for name in _DEEPSPEED_SECTIONS:
         sections[name] = d.get(name, {})
         if not isinstance(sections[name], dict):
-            raise ValueError(f"{name}={sections[name]!r} must be a JSON object")
-    handled = set(handled) | set(_OFFLOAD_KEYS)
+            mode = " (zeroshard's activation_checkpointing mode goes in a zeroshard config)" \
+                if name == _CHECKPOINTING else ""
+            raise ValueError(f"{name}={sections[name]!r} must be a JSON object{mode}")
+    handled = set(handled) | set(_OFFLOAD_KEYS) | {f"{_CHECKPOINTING}.cpu_checkpointing"}
     ignored = sorted(
         [f"{s}.{k}" for s in _DEEPSPEED_SECTIONS for k in sections[s]
          if f"{s}.{k}" not in DEEPSPEED_KEYS and f"{s}.{k}" not in handled]
@@ -77,7 +89,8 @@ def translate(d: dict, handled: Iterable[str], make: Callable):
         warnings.warn(f"DeepSpeed config keys {', '.join(scaler)} are the loss scaler's: "
                       "pass the config to zs.GradScaler.from_deepspeed(model, config)",
                       stacklevel=4)
-    kwargs = {"stage": 0, **deepspeed_offload(sections["zero_optimization"])}
+    kwargs = {"stage": 0, **deepspeed_offload(sections["zero_optimization"]),
+              **deepspeed_checkpointing(d)}
     for key, name in DEEPSPEED_KEYS.items():
         section, _, leaf = key.partition(".")
         if leaf in sections[section] and name != "mixed_precision":
@@ -109,6 +122,17 @@ def translate(d: dict, handled: Iterable[str], make: Callable):
                 message = key + message[len(name):]
                 break
         raise ValueError(message) from None
+
+
+def deepspeed_checkpointing(d: dict) -> dict:
+    """``activation_checkpointing`` from DeepSpeed's section of that name: "full" where it
+    is given, "full+offload" with ``cpu_checkpointing`` (the checkpoints in host memory)."""
+    if _CHECKPOINTING not in d:
+        return {}
+    cpu = d[_CHECKPOINTING].get("cpu_checkpointing", False)
+    if not isinstance(cpu, bool):
+        raise ValueError(f"{_CHECKPOINTING}.cpu_checkpointing={cpu!r} must be true or false")
+    return {"activation_checkpointing": "full+offload" if cpu else "full"}
 
 
 def deepspeed_offload(zero: dict) -> dict:

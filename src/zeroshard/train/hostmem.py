@@ -32,8 +32,9 @@ def _planned(cfg: TrainConfig, source, micro: int) -> tuple[int, int]:
     shard = group if isinstance(group, int) and cfg.nproc % group == 0 else None
     try:
         arch = ModelSpec.from_arch(source.architecture())
-        work = Workload(micro * source.seq_len, source.seq_len, checkpointing=False,
-                        flash_attention=True, cpu=True)
+        work = Workload.of_mode(micro * source.seq_len, source.seq_len,
+                                cfg.zero.activation_checkpointing, flash_attention=True,
+                                cpu=True)
         p = plan_strategy(arch, ParallelDims(cfg.nproc, shard=shard), cfg.zero, work)
     except Exception:  # noqa: BLE001 - a model the planner cannot describe: no lower bound
         return 0, 0

@@ -164,6 +164,8 @@ def _tp_planned(run: Run) -> int:
     from ..plan.arch import ModelSpec
     from ..plan.workload import Workload, tp_comm_bytes
 
-    work = Workload(run.micro * run.seq_len, run.seq_len, checkpointing=False)
+    mode = run.model.zero_config.activation_checkpointing  # a recompute all-reduces again
+    work = Workload.of_mode(run.micro * run.seq_len, run.seq_len,
+                            mode if run.model.checkpointed_units else "none")
     return run.accum * tp_comm_bytes(ModelSpec.from_arch(run.source.architecture()),
                                      run.model.zero_config.recipe, work, run.cfg.tp)

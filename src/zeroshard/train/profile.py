@@ -30,15 +30,17 @@ def predicted(model, arch, tokens: int, seq_len: int,
     architecture ``arch``, an Architecture or the built-in GPT's ``GPTConfig``, its
     workload, the engine's config and layout): per category at the peak, every
     placement together as the ledger counts them, and the peak as the profiler counts it
-    (saved tensors, not kernels' scratch; ``Peak.counted``), for ``tokens`` per rank per
-    forward in sequences of ``seq_len``; ``loss_outside``: the loss is computed on the
+    (saved tensors, not kernels' scratch; ``Peak.counted``) under the activation
+    checkpointing the engine runs (none where the model checkpoints itself), for
+    ``tokens`` per rank per forward in sequences of ``seq_len``; ``loss_outside``: the
+    loss is computed on the
     logits the model returns, where the profiler does not count its saved tensors
     (``Peak.unseen_loss``)."""
     if not isinstance(arch, Architecture):
         arch = gpt_architecture(arch)
     device = model.units[0].device.type
-    work = Workload(tokens, seq_len, checkpointing=False, flash_attention=True,
-                    cpu=device == "cpu")
+    mode = model.zero_config.activation_checkpointing if model.checkpointed_units else "none"
+    work = Workload.of_mode(tokens, seq_len, mode, flash_attention=True, cpu=device == "cpu")
     impl = "foreach" if device == "cuda" else "for-loop"  # torch's pick
     p = peak(ModelSpec.from_arch(arch), layout(model), model.zero_config, work,
              optimizer_impl=impl, loss_outside=loss_outside)

@@ -1,0 +1,79 @@
+"""Activation checkpointing (``ZeroConfig.activation_checkpointing``, ``runtime/
+checkpointing.py``) on real gloo ranks: every mode at every stage trains the built-in GPT,
+a Hugging Face Llama and GPT-2 (with its dropout) bit for bit as keeping every
+activation does, in fp32 and under bf16 — a recompute is the same maths; and beside
+LoRA, ``model.compile()``, tensor parallelism, offload and generation, and a model that
+checkpoints itself is left alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroshard.runtime.spawn import spawn
+
+from . import checkpointing_cases as cc
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def parity():
+    return spawn(cc.parity_grid, 2, timeout=600)
+
+
+@pytest.mark.parametrize("mode", cc.MODES[1:], ids=str)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("model", cc.MODELS)
+def test_each_mode_trains_as_keeping_everything(parity, model, stage, mode):
+    """3 AdamW steps: the losses and the full weights bit for bit those of the run that
+    keeps every activation, on both ranks; every block unit wrapped (every second one
+    with k = 2)."""
+    for rank, r in enumerate(parity):
+        case = r[(model, stage, mode)]
+        assert case["exact"], (rank, case)
+        assert case["wrapped"] == (1 if mode == 2 else 2), case
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("model", cc.MODELS)
+def test_bf16_within_1e6(parity, model, stage, mode):
+    for r in parity:
+        case = r[(model, stage, mode, "bf16")]
+        assert case["loss"] <= 1e-6 and case["weights"] <= 1e-6, case
+
+
+@pytest.fixture(scope="module")
+def features():
+    return spawn(cc.features_grid, 2, timeout=600)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("feature", ["lora", "compile", "tp", "offload"])
+def test_beside_each_feature(features, feature, mode):
+    """peft's LoRA on the Llama, each unit compiled, tensor parallelism over both ranks,
+    the optimizer in host memory: exact against the same run without checkpointing."""
+    for r in features:
+        case = r[(feature, mode)]
+        assert case["exact"] and case["wrapped"] == 2, case
+
+
+def test_a_compiled_unit_runs_compiled_in_its_recompute_too(features):
+    """Two block units, 3 steps: 6 compiled forwards, and 6 recomputes through them."""
+    for r in features:
+        assert r[("compile", "full")]["graphs"] == r[("compile", "selective")]["graphs"] == 12
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_generation_is_not_checkpointed(features, mode):
+    """generate() at stage 3 after a step: the tokens of the model without checkpointing
+    (no cache is dropped outside training)."""
+    assert all(r[("generate", mode)] for r in features)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["llama", "peft"])
+def test_a_model_that_checkpoints_itself_is_not_wrapped_twice(features, lora):
+    for r in features:
+        case = r["itself", "lora"] if lora else r["itself"]
+        assert case["wrapped"] == 0 and case["exact"], case
+        assert len(case["warned"]) == 1 and "does not wrap it twice" in case["warned"][0]
