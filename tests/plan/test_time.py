@@ -531,3 +531,44 @@ def test_recommend_never_imports_torch():
             "c.main(['plan', '--recommend', '--json']);"
             "c.main(['plan', '--time']); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_recommend_weighs_each_checkpointing_mode():
+    """Llama-2-13B on 256 H100s over PCIe and RoCE: selective checkpointing (the linear
+    layers' outputs kept, attention's core recomputed) fits 4 sequences and beats full
+    checkpointing's extra forward; named, the mode is kept fixed."""
+    m13 = ModelSpec.from_arch(get_preset("llama2-13b"))
+    roce = Cluster(H100.accelerator, get_network("pcie4-roce"))
+    rec = recommend(m13, config(), 256, 80 * 10**9, roce, 1024, 2048)
+    b = rec.best
+    assert (b.checkpointing, b.micro_batch) == ("selective", 4)
+    why = rec.reasons["checkpointing"]
+    assert why.startswith("selective: the linear layers' outputs kept")
+    full = recommend(m13, config(), 256, 80 * 10**9, roce, 1024, 2048, checkpointing="full")
+    assert full.best.checkpointing == "full" and full.best.time.step > b.time.step
+    same = [c for c in rec.runners_up + (b,) if c.checkpointing == "full"
+            and (c.stage, c.tp, c.shard_group) == (b.stage, b.tp, b.shard_group)]
+    assert "full +" in why and "none does not fit even one sequence" in why
+    assert all(c.time.step > b.time.step for c in same)
+    assert {c.checkpointing for c in rec.runners_up} >= {"selective", "full"}
+    with pytest.raises(ValueError, match="checkpointing='full\\+offload': the search weighs "
+                                         "none, selective, full"):
+        recommend(m13, config(), 256, 80 * 10**9, roce, 1024, 2048,
+                  checkpointing="full+offload")
+
+
+def test_plan_takes_the_engines_checkpointing_modes(capsys):
+    """``--activation-checkpointing MODE``: the table's title names it, and the activations
+    fall as the mode keeps less (offload: none of the inputs on the device)."""
+    activ = {}
+    for mode in ("none", "selective", "2", "full", "full+offload"):
+        assert main(["plan", "--model", "llama2-7b", "--gpus", "8", "--json",
+                     "--activation-checkpointing", mode]) == 0
+        out = json.loads(capsys.readouterr().out)
+        activ[mode] = out["strategies"][0]["activations"]
+    assert activ["none"] > activ["2"] > activ["selective"] > activ["full"] > activ[
+        "full+offload"] > 0
+    assert main(["plan", "--model", "llama2-7b", "--activation-checkpointing", "2"]) == 0
+    assert "checkpointing every 2nd block" in " ".join(capsys.readouterr().out.split())
+    assert main(["plan", "--model", "llama2-7b", "--no-checkpointing", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["strategies"][0]["activations"] == activ["none"]
