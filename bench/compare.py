@@ -7,7 +7,10 @@ Every implementation trains the built-in GPT benchmark preset from the same init
 weights on the same global batches (AdamW, fp32; ``--optimizer muon`` or ``adafactor``
 instead), each in fresh processes:
 zeroshard stages 0-3; torch DDP; DDP + ZeroRedundancyOptimizer; FSDP2 ``fully_shard``
-per block with ``reshard_after_forward`` True and False; zeroshard compiled by
+per block with ``reshard_after_forward`` True and False; with activation checkpointing
+(``zeroshard-S-ac-full``, ``-ac-selective``; FSDP2 with torch's ``checkpoint_wrapper`` on
+each block, ``fsdp2-reshard-ac``, or its selective policy, ``fsdp2-reshard-sac``);
+zeroshard compiled by
 torch.compile's inductor (``zeroshard-S-compile``: the sharded model whole;
 ``zeroshard-S-compile-units``: each unit's forward); DeepSpeed stages 1-3 when it
 is installed (``pip install deepspeed``; on CPU it runs with DS_ACCELERATOR=cpu over
@@ -135,6 +138,23 @@ def make_optimizer(kind: str, named, lr: float):
     raise ValueError(f"optimizer {kind!r}; expected one of {', '.join(OPTIMIZERS)}")
 
 
+def _checkpoint_blocks(model, selective: bool) -> None:
+    """torch's ``checkpoint_wrapper`` (non-reentrant) around each block, as torchtitan
+    applies activation checkpointing before ``fully_shard``; ``selective``: the matrix
+    multiplications' outputs kept (the policy zeroshard's "selective" mode uses)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    from zeroshard.runtime.checkpointing import selective_context
+
+    extra = {"context_fn": selective_context} if selective else {}
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                             **extra)
+
+
 def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
           reduce_bucket_size: int | None = None, optimizer: str = "adamw"):
     """Wrap ``model`` (on every rank, from the same weights) as implementation ``impl``.
@@ -174,6 +194,8 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
             options["secondary_group"] = 2
         elif impl.endswith("-tp2"):  # beside tensor parallelism on a (dp, tp) mesh
             options["mesh"] = _tp_mesh(model)
+        elif "-ac-" in impl:  # activation checkpointing: -ac-full, -ac-selective
+            options["activation_checkpointing"] = impl.split("-ac-")[1]
         net = zs.shard(model, stage=int(impl.split("-")[1]), **options)
         opt = make_optimizer(optimizer, net.named_parameters(), lr)
         if impl.endswith("-compile-units"):  # each unit's forward (torchtitan's way)
@@ -196,7 +218,10 @@ def build(impl: str, model, lr: float, batch: int, prefetch: int | None = None,
     elif impl.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
-        reshard = impl in ("fsdp2-reshard", "fsdp2-hsdp2", "fsdp2-tp2")
+        reshard = impl in ("fsdp2-reshard", "fsdp2-hsdp2", "fsdp2-tp2", "fsdp2-reshard-ac",
+                           "fsdp2-reshard-sac")
+        if impl.endswith(("-ac", "-sac")):  # torch's checkpoint_wrapper on each block first
+            _checkpoint_blocks(model, selective=impl.endswith("-sac"))
         mesh = None
         if impl == "fsdp2-tp2":  # FSDP2 + TP (torchtitan's): fully_shard on the dp dim
             mesh = _tp_mesh(model)["dp"]

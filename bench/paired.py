@@ -67,9 +67,9 @@ LOSS_TOL = 1e-6
 LOSS_TOL_COMPILED = 1e-4
 PAIRABLE = ({f"zeroshard-{s}{x}" for s in range(4)
              for x in ("", "-unchecked", "-nofingerprints", "-perunit", "-hybrid2", "-compile",
-                       "-compile-units", "-tp2")}
+                       "-compile-units", "-tp2", "-ac-full", "-ac-selective")}
             | {"ddp", "ddp+zero", "fsdp2-noreshard", "fsdp2-reshard", "fsdp2-hsdp2",
-               "fsdp2-tp2"})
+               "fsdp2-tp2", "fsdp2-reshard-ac", "fsdp2-reshard-sac"})
 
 
 def _rank(pair: tuple[str, str], preset: str, steps: int, batch: int, lr: float,

@@ -19,9 +19,11 @@ the module's call, outside the checkpoint:
   compute (torch's ``create_selective_checkpoint_contexts``).
 - every k-th unit "full", the others keeping everything (torchtitan's per-layer
   checkpointing).
-- "full+offload": as "full", with the kept inputs in host memory (pinned, and copied
-  without blocking, on a GPU; on the CPU the copy is the tensor itself) until the
-  recompute brings them back.
+- "full+offload": as "full", but what the checkpoint keeps of the unit's positional
+  inputs is a copy in pinned host memory, made on a side stream that overlaps the next
+  unit's forward, and brought back for the recompute; the device's inputs are let go
+  after the forward. On the CPU the host is where the inputs are: they are kept as
+  "full" keeps them.
 
 The maths is the same: a recompute runs the same operations on the same inputs (the
 RNG state restored for dropout), so the gradients are bit for bit those of the run that
@@ -106,7 +108,9 @@ def _keep_linear(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective() -> tuple:
+def selective_context() -> tuple:
+    """Selective checkpointing's context pair for ``torch.utils.checkpoint`` (its
+    ``context_fn``): the outputs of :data:`KEPT_OPS` kept, the rest recomputed."""
     return create_selective_checkpoint_contexts(_keep_linear)
 
 
@@ -117,7 +121,7 @@ class _Checkpointed:
     def __init__(self, forward, mode, events, unit):
         functools.update_wrapper(self, forward)
         self.forward, self.mode, self.events, self.unit = forward, mode, events, unit
-        self.context = _selective if mode == "selective" else noop_context_fn
+        self.context = selective_context if mode == "selective" else noop_context_fn
 
     def compile(self, *args, **kwargs) -> None:
         """``torch.compile`` the unit's own forward, which the checkpoint then calls (and
@@ -129,12 +133,15 @@ class _Checkpointed:
             return self.forward(*args, **kwargs)
         args = tuple(_without_cache("", a) for a in args)  # GPT-2 passes its cache by place
         kwargs = {k: _without_cache(k, v) for k, v in kwargs.items()}
-        fn = self.forward
-        if self.events.listeners:  # a profiler counts what the checkpoint holds
-            fn = _Counted(self.forward, self.events, self.unit, self.mode == "selective")
-            fn.hold([t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)])
         if self.mode == "full+offload":
-            args, fn = _offloaded(args, fn)
+            fn, held, args = _Offloaded(self.forward, args), list(kwargs.values()), ()
+            if fn.on_host is None:  # on the CPU the host is where the inputs are
+                held += list(fn.args)
+        else:
+            fn, held = self.forward, [args, kwargs]
+        if self.events.listeners:  # a profiler counts what the checkpoint holds
+            fn = _Counted(fn, self.events, self.unit, self.mode == "selective")
+            fn.hold([t for t in tree_flatten(held)[0] if torch.is_tensor(t)])
         return checkpoint(fn, *args, use_reentrant=False, context_fn=self.context, **kwargs)
 
 
@@ -146,24 +153,69 @@ def _without_cache(name: str, value):
     return None if hasattr(value, "get_seq_length") else value
 
 
-def _offloaded(args: tuple, fn):
-    """``args``' tensors moved to host memory for the checkpoint to keep, and ``fn``
-    bringing them back to where they were for the recompute."""
-    devices = [t.device if torch.is_tensor(t) else None for t in args]
-    pin = torch.cuda.is_available()
+#: One side stream per device for offload's copies to the host.
+_COPY_STREAMS: dict = {}
 
-    def host(t):
-        if not torch.is_tensor(t) or t.device.type == "cpu":
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        return out.copy_(t, non_blocking=pin)
 
-    def back(*held, **kwargs):
-        moved = [t.to(d, non_blocking=True) if d is not None else t
-                 for t, d in zip(held, devices)]
-        return fn(*moved, **kwargs)
+class _Offloaded:
+    """A unit's forward whose positional inputs the checkpoint does not keep: the first
+    call (the forward) takes them as given, the graph's own; a copy in pinned host memory
+    is what is kept, brought back to the device for the recompute (detached, as
+    requiring grad as before: the recompute saves the same tensors, and gradients flow
+    through the forward's graph, not through the copies). On a GPU the copy to the host
+    runs on a side stream, overlapping the next unit's forward; ``on_host`` is None on the
+    CPU, where the inputs already are in host memory and are kept as they are."""
 
-    return tuple(host(t) for t in args), back
+    def __init__(self, forward, args: tuple):
+        self.forward, self.args = forward, args
+        device = next((t.device for t in args if torch.is_tensor(t)), None)
+        self.on_host = None
+        if device is not None and device.type == "cuda":
+            stream = _COPY_STREAMS.setdefault(device, torch.cuda.Stream(device))
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self.on_host = [_to_host(t, stream) for t in args]
+            self.stream = stream
+        self.first = True
+
+    def __call__(self, **kwargs):
+        if self.first:  # the forward: the inputs as the graph has them
+            self.first = False
+            args = self.args
+            if self.on_host is not None:
+                self.args = ()  # let go of the device's copies
+            return self.forward(*args, **kwargs)
+        if self.on_host is None:
+            args = tuple(_detached(t) for t in self.args)
+        else:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            args = tuple(_back(h) for h in self.on_host)
+        return self.forward(*args, **kwargs)
+
+
+class _Host:
+    """A pinned host copy of a device tensor, where it came from, and whether it
+    required grad."""
+
+    def __init__(self, t: torch.Tensor, stream):
+        self.out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.out.copy_(t.detach(), non_blocking=True)
+        t.record_stream(stream)  # its memory is not reused before the copy is done
+        self.device, self.grad = t.device, t.requires_grad
+
+
+def _to_host(t, stream):
+    return _Host(t, stream) if torch.is_tensor(t) else t
+
+
+def _back(held):
+    if not isinstance(held, _Host):
+        return held
+    return held.out.to(held.device, non_blocking=True).requires_grad_(held.grad)
+
+
+def _detached(t):
+    return t.detach().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
 
 
 class _Counted:
