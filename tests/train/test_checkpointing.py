@@ -1,7 +1,7 @@
 """``zeroshard train --activation-checkpointing MODE --profile DIR``: the profile's plan is
 the mode the engine runs. For the built-in GPT small (medium and a Hugging Face Llama in
 the slow tier), on 2 gloo ranks at stage 3: the planned peak within 5 % of the measured
-(the issue's bound; it comes out within 0.1 %), the planner's activation peak within 5 %
+(the issue's bound; they come out within 0.5 %), the planner's activation peak within 5 %
 of the largest the trace records, and checkpointing's activation peak measurably below
 keeping everything."""
 
