@@ -186,6 +186,10 @@ def features_grid() -> dict:
         out[("offload", mode)] = _same(train("gpt", 3, mode, offload="optimizer"),
                                        train("gpt", 3, "none", offload="optimizer"))
         out[("generate", mode)] = _generated(mode) == _generated("none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        whole = zs.shard(build("gpt"), stage=3, units=None, activation_checkpointing="full")
+    out["one unit"] = (whole.checkpointed_units, [str(w.message) for w in caught])
     out["itself"] = _checkpoints_itself(lora=False)
     out["itself", "lora"] = _checkpoints_itself(lora=True)
     return out

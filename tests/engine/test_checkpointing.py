@@ -77,3 +77,14 @@ def test_a_model_that_checkpoints_itself_is_not_wrapped_twice(features, lora):
         case = r["itself", "lora"] if lora else r["itself"]
         assert case["wrapped"] == 0 and case["exact"], case
         assert len(case["warned"]) == 1 and "does not wrap it twice" in case["warned"][0]
+
+
+def test_a_model_of_one_unit_is_told_nothing_is_checkpointed(features):
+    """``units=None`` makes the whole model the root unit, which is never checkpointed: a
+    warning says so rather than a silent no-op."""
+    for r in features:
+        wrapped, said = r["one unit"]
+        assert wrapped == 0 and said == [
+            "activation_checkpointing='full': the model has 0 unit(s) besides the root, so "
+            "no unit is checkpointed; shard it in blocks (units='blocks', the default) to "
+            "checkpoint them"]

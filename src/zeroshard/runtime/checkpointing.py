@@ -77,6 +77,10 @@ def apply(model) -> int:
         return 0
     every = mode if isinstance(mode, int) else 1
     blocks = [u for u in model.units if u.module is not model.module]
+    if len(blocks) < every:
+        warnings.warn(f"activation_checkpointing={mode!r}: the model has {len(blocks)} "
+                      "unit(s) besides the root, so no unit is checkpointed; shard it in "
+                      "blocks (units='blocks', the default) to checkpoint them", stacklevel=3)
     wrapped = 0
     for j, unit in enumerate(blocks):
         if (j + 1) % every == 0:
