@@ -41,6 +41,7 @@ from ..spec.rules import OFFLOADS
 from . import plan_lora, plan_output, plan_time
 from .plan_checks import (
     DIM_FLAGS,
+    asked_checkpointing,
     check_flags,
     checkpointing_mode,
     model_rules,
@@ -316,7 +317,8 @@ def run(args) -> int:
         plan_output.write_html(args, model, config)
     if args.recommend:
         plan_output.recommendation(args, model, config, budget, unit,
-                                   plan_time.run_recommend(args, model, config, budget))
+                                   plan_time.run_recommend(args, model, config, budget,
+                                                           asked_checkpointing(args)))
     else:
         _plan_table(args, model, config, budget, unit, sweep)
     return 0

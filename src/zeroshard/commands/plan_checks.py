@@ -9,6 +9,7 @@ import re
 
 from .._paths import output_file
 from ..plan.advice import MAX_GPUS, MAX_PARAMS
+from ..plan.search import CHECKPOINTING
 from ..spec.config import check_checkpointing
 from ..spec.dims import check_tp_degree
 from ..spec.formulas import QUANT_BLOCK
@@ -49,6 +50,20 @@ def checkpointing_mode(args) -> str | int:
             f"--checkpoint-every {args.checkpoint_every}"
         raise ValueError(f"--activation-checkpointing {args.activation_checkpointing} and "
                          f"{flag} contradict each other: give one")
+    return mode
+
+
+def asked_checkpointing(args) -> str | None:
+    """The checkpointing ``--recommend`` keeps fixed: the one the flags name (None when
+    none does: it weighs none, selective and full)."""
+    if args.activation_checkpointing is None and not args.no_checkpointing and \
+            args.checkpoint_every is None:
+        return None
+    mode = checkpointing_mode(args)
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"--recommend weighs activation checkpointing "
+                         f"{', '.join(CHECKPOINTING)}; {mode!r} is plan's alone: drop it "
+                         "to have them weighed, or name one of them")
     return mode
 
 

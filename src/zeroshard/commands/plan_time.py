@@ -26,7 +26,6 @@ from ..plan.hardware import (
     get_network,
 )
 from ..plan.recommend import HEADROOM, recommend
-from ..plan.search import CHECKPOINTING
 from ..plan.steptime import Schedule, step_times
 from ..plan.workload import Workload
 from ..spec.config import PLANNED_DISK
@@ -208,32 +207,17 @@ def restarts(args, model, config, st, writers: int):
                          args.restart_seconds or RESTART_S, what=f" ({st.strategy})")
 
 
-def asked_checkpointing(args) -> str | None:
-    """The checkpointing ``--recommend`` keeps fixed: the one the flags name (None when
-    none does: it weighs none, selective and full)."""
-    if args.activation_checkpointing is None and not args.no_checkpointing and \
-            args.checkpoint_every is None:
-        return None
-    from .plan_checks import checkpointing_mode  # (plan_checks imports this module)
-
-    mode = checkpointing_mode(args)
-    if mode not in CHECKPOINTING:
-        raise ValueError(f"--recommend weighs activation checkpointing "
-                         f"{', '.join(CHECKPOINTING)}; {mode!r} is plan's alone: drop it "
-                         "to have them weighed, or name one of them")
-    return mode
-
-
-def run_recommend(args, model, config, budget):
+def run_recommend(args, model, config, budget, checkpointing: str | None = None):
     """``--recommend``: ``config`` gives the precision, a fixed ``--shard-group`` and an
     asked ``--offload``; ``--offload-dir`` without one places a fallback offload on
-    disk; ``--save-every`` / ``--mtbf-hours`` add what restarts cost the pick."""
+    disk; ``--save-every`` / ``--mtbf-hours`` add what restarts cost the pick;
+    ``checkpointing``: the mode the flags fix (``plan_checks.asked_checkpointing``)."""
     seq = args.seq_len or args.tokens
     fallback_dir = PLANNED_DISK if args.offload_dir and not args.offload else None
     rec = recommend(model, config, args.gpus, budget, cluster(args),
                     args.global_batch or DEFAULT_GLOBAL_BATCH, seq, args.flash_attention,
                     args.tp, args.prefetch, headroom=args.headroom, offload_dir=fallback_dir,
-                    checkpointing=asked_checkpointing(args))
+                    checkpointing=checkpointing)
     if rec.best is not None and (args.save_every or args.mtbf_hours):
         _, text = restarts(args, model, config, rec.best.time,
                            rec.best.shard_group or rec.best.dp)
