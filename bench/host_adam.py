@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 from rich.console import Console
 from rich.table import Table
+
 from zeroshard.offload import HostAdamW
 
 BYTES_STEP = 28  # read p, g, m, v (16) + write p, m, v (12), all fp32
