@@ -21,6 +21,7 @@ _LAZY = {
     "load": "zeroshard.checkpoint",
     "load_pretrained": "zeroshard.checkpoint",
     "GradScaler": "zeroshard.runtime.scaler",
+    "verify": "zeroshard.parity",
     # the errors a run can meet on every rank alike (docs/faults.md)
     "NonFiniteGradients": "zeroshard.runtime.stepping",
     "RanksOutOfStep": "zeroshard.runtime.watch",

@@ -43,7 +43,7 @@ from .optstate import optimizers, state_layout, state_of
 from .sanity import FORMAT, LATEST, MANIFEST, check_manifest, ours_partial, pointed, pure_checkpoint
 from .tensorfile import fsync_dir, write_tensors
 from .tplayout import box, local_shape
-from .verify import verify, verify_contents  # noqa: F401 (re-exported: load, inspect, export)
+from .integrity import verify, verify_contents  # noqa: F401 (re-exported: load, inspect, export)
 
 
 def _rows(shape) -> int:
