@@ -20,6 +20,8 @@ COMMANDS = {
     "plan": ("zeroshard.commands.plan", "memory and communication per GPU before a run"),
     "train": ("zeroshard.commands.train", "train sharded over N processes: the built-in GPT, "
               "or a local Hugging Face model on your data (--hf-model, --data)"),
+    "verify": ("zeroshard.commands.verify", "before a long run: the same flags as train, its "
+               "first steps sharded and unsharded, every tensor compared"),
     "export": ("zeroshard.commands.export", "a checkpoint as consolidated safetensors"),
     "inspect": ("zeroshard.commands.inspect", "what a checkpoint holds, checksums checked"),
     "import-deepspeed": ("zeroshard.commands.import_deepspeed", "a DeepSpeed ZeRO checkpoint "

@@ -232,8 +232,15 @@ def test_a_call_gets_its_one_error(section, text, line, tmp):
     assert _expected(line, tmp).fullmatch(got), f"{text}:\n got  {got}\n want {line}"
 
 
+def _launched() -> list:
+    """The real launches: the first two in the main tier, the rest (five seconds each)
+    in the slow tier."""
+    rows = [r for r in ROWS if LAUNCHED in r[0]]
+    return rows[:2] + [pytest.param(*r, marks=pytest.mark.slow) for r in rows[2:]]
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("section,text,line", [r for r in ROWS if LAUNCHED in r[0]],
+@pytest.mark.parametrize("section,text,line", _launched(),
                          ids=lambda v: v if len(v) < 60 else v[:57] + "...")
 def test_a_rank_error_is_one_line_from_the_launcher(section, text, line, tmp, capfd):
     """Real launches: the ranks' error once, without the launcher's report."""

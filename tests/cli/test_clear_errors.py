@@ -184,6 +184,7 @@ def _mb(out: str, row: str) -> float:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_the_trainer_says_what_it_loaded_saved_removed_and_resumed(ckpt, tmp_path, capfd):
     weights, runs = tmp_path / "export", tmp_path / "runs"
     export(ckpt, weights)
@@ -210,6 +211,7 @@ def test_the_trainer_says_what_it_loaded_saved_removed_and_resumed(ckpt, tmp_pat
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_ctrl_c_is_one_line(tmp_path):
     """SIGINT to the whole process group, as a terminal sends it: the launcher stops the
     ranks and says so once (it was every rank's KeyboardInterrupt and the agent's trace)."""

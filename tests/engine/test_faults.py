@@ -41,7 +41,8 @@ def _freeze_in_forward(stage: int):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", [2])  # one stage: the wait and its roll call are 20 s
+@pytest.mark.slow  # the wait and its roll call are 20 s
+@pytest.mark.parametrize("stage", [2])
 def test_a_frozen_rank_ends_the_others_within_the_timeout(stage):
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:

@@ -12,7 +12,7 @@ from zeroshard.runtime.spawn import spawn
 
 from . import engine_cases as cases
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 def _grid():

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.dist
 
 MB = 1e6
 #: every stage that takes an offload, and the weight shards' where the weights are sharded
-CASES = [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params")]
+CASES = [(3, "optimizer"), *(pytest.param(*c, marks=pytest.mark.slow)
+                             for c in ((1, "optimizer"), (2, "optimizer"), (3, "params")))]
 #: the memory table's row of a rank: measured / planned per category
 ROW = re.compile(r"│\s+(\d) │ ([\d.]+) / ([\d.]+) │ ([\d.]+) / ([\d.]+) │ ([\d.]+) / ([\d.]+) │")
 

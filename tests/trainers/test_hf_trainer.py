@@ -40,8 +40,8 @@ def _matches(r: dict) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_llama_at_every_stage_matches_ddp(grid, stage):
+@pytest.mark.parametrize("stage", [0, 3])  # 1 and 2: test_wide.py
+def test_llama_at_stages_0_and_3_matches_ddp(grid, stage):
     _matches(ok(grid["llama"])[stage])
 
 

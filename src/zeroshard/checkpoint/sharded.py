@@ -39,11 +39,11 @@ from ..runtime.unit import held_rows, tp_dim
 from ..spec.formulas import dim0_rows
 from .arguments import check_save, said
 from .foreign import refuse_foreign
+from .integrity import verify, verify_contents  # noqa: F401 (re-exported: load, inspect, export)
 from .optstate import optimizers, state_layout, state_of
 from .sanity import FORMAT, LATEST, MANIFEST, check_manifest, ours_partial, pointed, pure_checkpoint
 from .tensorfile import fsync_dir, write_tensors
 from .tplayout import box, local_shape
-from .integrity import verify, verify_contents  # noqa: F401 (re-exported: load, inspect, export)
 
 
 def _rows(shape) -> int:

@@ -32,6 +32,7 @@ from dataclasses import fields, replace
 
 from .._errorline import DEBUG
 from ..spec.config import ZeroConfig
+from ..spec.optimizers import OPTIMIZERS
 from ..train import early, flags, job, launchenv
 from ..train.settings import TrainConfig, engine_keys, resolve
 from . import train_adapters
@@ -132,6 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per process per forward; accumulation follows "
                         "(default: batch / N)")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    add_optimizer_arguments(p)
     p.add_argument("--warmup", type=int, help="warm-up steps (default 10%% of --steps)")
     p.add_argument("--clip", type=float, help=f"gradient-norm clip, 0 for none (default {d.clip})")
     p.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
@@ -182,7 +184,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     train_adapters.add_arguments(p)
 
 
-def _config(args) -> TrainConfig:
+def _betas(text: str) -> list[float]:
+    """``--betas 0.9,0.95``."""
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not two numbers as B1,B2 (e.g. "
+                                         "0.9,0.95)") from None
+
+
+def add_optimizer_arguments(p: argparse.ArgumentParser) -> None:
+    """--optimizer and its hyperparameters (``train/optimizer.py``), shared with verify."""
+    d = TrainConfig()
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS),
+                   help="adamw, sgd (momentum), lamb, adafactor, or muon (Muon for the hidden "
+                        "matrices, AdamW for embeddings, head, norms and biases): the "
+                        f"planner's names (default {d.optimizer})")
+    p.add_argument("--weight-decay", type=float, metavar="W",
+                   help=f"weight decay of the matrices (default {d.weight_decay})")
+    p.add_argument("--betas", type=_betas, metavar="B1,B2",
+                   help="adamw's, lamb's (muon's AdamW's) betas (default 0.9,0.999)")
+    p.add_argument("--eps", type=float, help="adamw's, lamb's and muon's epsilon "
+                                             "(default: theirs)")
+    p.add_argument("--momentum", type=float, metavar="M",
+                   help="sgd's momentum (default 0.9) or muon's (default 0.95)")
+
+
+def config_of(args) -> TrainConfig:
     """The run's settings: the defaults, then --config, then the flags given."""
     flags = {k: getattr(args, k) for k in vars(args) if not k.startswith("_")}
     cfg = resolve({**flags, "clip": flags["clip"] or None}, args.config)
@@ -194,7 +222,7 @@ def run(args) -> int:
         cfg = job.handed_over()
         if cfg is None:  # the command itself, or a rank of torchrun
             launchenv.check(early.on_a_rank())  # RANK, WORLD_SIZE... left from another launch
-            cfg = _config(args)  # flags checked before anything launches
+            cfg = config_of(args)  # flags checked before anything launches
         if early.on_a_rank():  # a rank: of this command's launcher, or of torchrun
             return job.run_rank(cfg)
         return job.launch(cfg, debug=args.debug, max_restarts=args.max_restarts)

@@ -43,8 +43,10 @@ class Certificate:
 
     @property
     def first_difference(self) -> Difference | None:
-        """The first category that DIFFERS (the earliest in the computation), or None."""
-        return next((r for r in self.rows if r.verdict == DIFFERS), None)
+        """The category furthest past its bound, or None where none DIFFERS."""
+        differs = [r for r in self.rows if r.verdict == DIFFERS]
+        return max(differs, key=lambda r: r.rel_diff / r.bound if r.bound else float("inf"),
+                   default=None)
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "title": self.title, "reference": self.reference,

@@ -28,8 +28,8 @@ _PLANNED = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd", "Muon": "muon",
 
 def verify(build_model: Callable, build_optimizer: Callable, batches: Sequence,
            config=None, *, nproc: int = 2, loss: Callable = model_loss,
-           clip: float | None = None, seed: int = 0, timeout: float = 600.0,
-           title: str | None = None) -> Certificate:
+           clip: float | None = None, schedule: Callable[[int], float] | None = None,
+           seed: int = 0, timeout: float = 600.0, title: str | None = None) -> Certificate:
     """Run ``len(batches)`` steps of ``build_model()`` sharded by ``config`` (anything
     ``zs.shard`` takes: a ZeroConfig, a dict of its fields, a DeepSpeed config or a JSON
     path) on ``nproc`` processes, and the same steps of the unsharded model here, on the
@@ -37,10 +37,22 @@ def verify(build_model: Callable, build_optimizer: Callable, batches: Sequence,
     ``.print()``). ``build_model`` and ``build_optimizer(model)`` must be importable by
     name (module-level functions, or ``functools.partial`` of them): the ranks are other
     processes. ``loss(model, batch)`` defaults to the model's own output (a scalar, or
-    ``.loss``); ``clip`` clips the global gradient norm on both sides."""
+    ``.loss``); ``clip`` clips the global gradient norm on both sides; ``schedule(step)``
+    is the learning rate's factor (torch's ``LambdaLR``), for every optimizer.
+
+    Like any program that starts processes, call it from a script's
+    ``if __name__ == "__main__":`` block: each rank imports the script again."""
     zero = ZeroConfig.load(config) if config is not None else ZeroConfig()
     trial = Trial(build_model, build_optimizer, list(batches), zero, nproc, loss, clip,
-                  seed, timeout)
+                  schedule, seed, timeout)
+    return certify(trial, title)
+
+
+def certify(trial: Trial, title: str | None = None, notes: list[str] | None = None
+            ) -> Certificate:
+    """The :class:`Certificate` of a checked :class:`Trial` (``verify``'s work, and
+    ``zeroshard verify``'s)."""
+    zero, seed, nproc, timeout = trial.config, trial.seed, trial.nproc, trial.timeout
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
         sharded = spawn(run_rank, nproc, trial, backend=backend, timeout=timeout)[0]
@@ -55,7 +67,7 @@ def verify(build_model: Callable, build_optimizer: Callable, batches: Sequence,
         overall(rows), rows, title or _title(zero, nproc, opt_name, trial),
         "the unsharded model in one process (the recipe's casts in plain torch)",
         memory=_memory(sharded, zero, opt_name), comm=_comm(sharded, zero),
-        notes=_notes(reference))
+        notes=[*(notes or []), *_notes(reference)])
 
 
 def _planner_name(classes: list[str]) -> str | None:
@@ -88,11 +100,15 @@ def _memory(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
 
     held = sharded["memory"]
     planned: tuple = (None, None, None)
+    params = sum(sharded["units"])
+    trainable = sharded["trainable"] if sharded["trainable"] < params else None
     if opt_name is not None:
         config = replace(zero, mixed_precision=zero.recipe.with_optimizer(opt_name))
-        params = sum(sharded["units"])
-        planned = model_state_bytes(params, sharded["dims"], config,
-                                    trainable=sharded["trainable"])
+        try:
+            planned = model_state_bytes(params, sharded["dims"], config, trainable=trainable,
+                                        shapes=sharded["shapes"])
+        except ValueError:  # a count the planner does not make (Muon beside LoRA)
+            planned = (None, None, None)
     out = {k: (held.get(k, 0), p) for k, p in zip(("params", "grads", "optimizer"), planned,
                                                   strict=True)}
     out.update({k: (held.get(k, 0), None) for k in ("padding", "gathered", "buffers")})
@@ -105,8 +121,9 @@ def _comm(sharded: dict, zero: ZeroConfig) -> dict:
 
     steps = max(1, sharded.get("steps", 1))
     sent = sum(s["bytes"] for kind, s in sharded["comm"].items() if kind != "check")
-    planned = planned_comm(sum(sharded["units"]), sharded["dims"], zero, 1,
-                           sharded["units"], sharded["trainable"])
+    params = sum(sharded["units"])
+    trainable = sharded["trainable"] if sharded["trainable"] < params else None
+    planned = planned_comm(params, sharded["dims"], zero, 1, sharded["units"], trainable)
     return {"measured": sent / steps, "planned": planned}
 
 

@@ -56,7 +56,7 @@ def optimizer_state(optimizers: list, names: dict[int, str]) -> dict:
     for opt in optimizers:
         for p, state in opt.state.items():
             for key, value in state.items():
-                t = torch.as_tensor(value).detach().clone()
+                t = torch.as_tensor(value).detach().cpu().clone()
                 out.setdefault(key, {})[names[id(p)]] = t.reshape(t.shape if t.dim() else ())
     return out
 

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from ..runtime.dist import TORCH_DTYPES
 from .outcome import Outcome, optimizer_state, optimizers_of
-from .trial import Trial, rows_of
+from .trial import Trial, on_device, rows_of
 
 #: Intra-op threads of each rank (``runtime/spawn.py``'s default) and of the reference.
 RANK_THREADS = 1
@@ -100,6 +100,19 @@ def _reduce(parts: list[dict], n: int, nudge: torch.Generator | None) -> dict:
     return out
 
 
+@torch.no_grad()
+def _clip(grads: list[torch.Tensor], max_norm: float, nudge: torch.Generator | None) -> None:
+    """Scale the gradients by ``min(1, max_norm / (norm + 1e-6))``, torch's factor, the
+    global norm summed in float64 and rounded to fp32 as the engine does
+    (``stepping.global_norm``); with ``nudge``, that norm moved by one ulp either way."""
+    norm = torch.stack([torch.linalg.vector_norm(g, 2.0, dtype=torch.float64)
+                        for g in grads]).pow(2.0).sum().pow(0.5).to(torch.float32)
+    if nudge is not None:
+        sign = float(torch.randint(0, 2, (), generator=nudge)) * 2 - 1
+        norm = torch.nextafter(norm, torch.tensor(sign * float("inf")))
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
+
+
 def run_reference(trial: Trial, nudge: int | None = None) -> Outcome:
     """The trial's K steps unsharded; ``nudge``: the seed of the one-ulp nudges. On the
     host with the ranks' intra-op threads: a CPU kernel that splits a sum over threads
@@ -114,36 +127,40 @@ def run_reference(trial: Trial, nudge: int | None = None) -> Outcome:
 
 def _run(trial: Trial, nudge: int | None) -> Outcome:
     torch.manual_seed(trial.seed)
-    master = trial.build_model()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    master = trial.build_model().to(device)  # the ranks' kind of device: the same kernels
     dropout_off = quiet_dropout(master)
     master.train()
     recipe = _Recipe(master, trial)
     optimizer = trial.build_optimizer(master)
+    schedules = trial.schedules(optimizers_of(optimizer))
     names = {id(p): n for n, p in master.named_parameters()}
-    outcome = Outcome(initial={n: p.detach().clone() for n, p in master.named_parameters()})
+    outcome = Outcome(initial={n: p.detach().cpu().clone() for n, p in master.named_parameters()})
     gen = torch.Generator().manual_seed(nudge) if nudge is not None else None
     for k, batch in enumerate(trial.batches):
         recipe.refresh()
         parts = []
         for r in range(trial.nproc):
-            loss = trial.loss(recipe.compute, rows_of(batch, r, trial.nproc))
+            loss = trial.loss(recipe.compute, on_device(rows_of(batch, r, trial.nproc), device))
             loss.backward()
-            outcome.losses[f"step {k + 1}, rank {r}"] = loss.detach().float().reshape(())
+            outcome.losses[f"step {k + 1}, rank {r}"] = loss.detach().float().cpu().reshape(())
             parts.append(recipe.slice_grads())
         reduced = _reduce(parts, trial.nproc, gen)
         for (name, m), _ in recipe.pairs:
             if name in reduced:
                 m.grad = reduced[name].to(recipe.grad_dtype).to(m.dtype)
         if k == 0:
-            outcome.grads = {n: m.grad.detach().clone() for (n, m), _ in recipe.pairs
+            outcome.grads = {n: m.grad.detach().cpu().clone() for (n, m), _ in recipe.pairs
                              if m.grad is not None}
         if trial.clip is not None:
-            torch.nn.utils.clip_grad_norm_([m for (_, m), _ in recipe.pairs
-                                            if m.grad is not None], trial.clip)
+            _clip([m.grad for (_, m), _ in recipe.pairs if m.grad is not None], trial.clip,
+                  gen)
         for opt in optimizers_of(optimizer):
             opt.step()
             opt.zero_grad()
-    outcome.weights = {n: p.detach().clone() for n, p in master.named_parameters()}
+        for s in schedules:
+            s.step()
+    outcome.weights = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
     outcome.state = optimizer_state(optimizers_of(optimizer), names)
     outcome.optimizers = [type(o).__name__ for o in optimizers_of(optimizer)]
     outcome.dropout_off = dropout_off

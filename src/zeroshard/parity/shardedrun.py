@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..runtime.unit import local
 from .outcome import Outcome, optimizers_of, read_checkpoint
 from .reference import quiet_dropout
-from .trial import Trial, rows_of
+from .trial import Trial, on_device, rows_of
 
 
 def _grad_rows(model) -> dict:
@@ -75,8 +75,9 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
     """This rank's part (``runtime/spawn.py`` calls it on every rank); rank 0's result."""
     from ..api import shard
     from ..checkpoint import save
+    from ..runtime.dist import default_device
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, device = dist.get_rank(), dist.get_world_size(), default_device()
     torch.manual_seed(trial.seed)
     module = trial.build_model()
     quiet_dropout(module)
@@ -84,13 +85,14 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
     model = shard(module, config=trial.config)
     optimizer = trial.build_optimizer(model)
     opts = optimizers_of(optimizer)
+    schedules = trial.schedules(opts)
     initial = model.full_state_dict()
     held: dict = {}
     model.comm_stats(reset=True)
-    outcome = Outcome(initial={n: initial[n] for n, _ in model.named_shards()})
+    outcome = Outcome(initial={n: initial[n].cpu() for n, _ in model.named_shards()})
     for k, batch in enumerate(trial.batches):
         dp_rank, dp_world = model.mesh.dp_rank, model.mesh.dp_world
-        loss = trial.loss(model, rows_of(batch, dp_rank, dp_world))
+        loss = trial.loss(model, on_device(rows_of(batch, dp_rank, dp_world), device))
         loss.backward()
         losses = [None] * world
         dist.all_gather_object(losses, loss.detach().float().cpu().reshape(()))
@@ -104,6 +106,8 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        for s in schedules:
+            s.step()
     comm = model.comm_stats(reset=True)
     with tempfile.TemporaryDirectory(prefix="zeroshard-verify-") as tmp:
         path = folder or tmp
@@ -116,4 +120,6 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
     units = [sum(local(p).numel() for p in u.params) for u in model.units]
     trainable = sum(u.params[i].numel() for u in model.units for i in u.trainable)
     return {"outcome": outcome, "memory": held, "comm": comm, "units": units,
-            "trainable": trainable, "dims": model.mesh.dims, "steps": trial.steps}
+            "trainable": trainable, "shapes": [tuple(local(p).shape) for u in model.units
+                                               for p in u.params],
+            "dims": model.mesh.dims, "steps": trial.steps}

@@ -56,6 +56,15 @@ def rows_of(batch, rank: int, world: int):
     return part(batch)
 
 
+def on_device(batch, device: torch.device):
+    """Every tensor of a batch on ``device``."""
+    if isinstance(batch, dict):
+        return {k: on_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(on_device(t, device) for t in batch)
+    return batch.to(device) if torch.is_tensor(batch) else batch
+
+
 def _batch_rows(batch, k: int) -> int:
     """The global batch size of batch ``k``: the rows of its tensors, which must agree."""
     values = batch.values() if isinstance(batch, dict) else _as_tuple(batch)
@@ -88,6 +97,9 @@ class Trial:
     """``loss(model, batch)``: the scalar loss of a rank's rows."""
     clip: float | None = None
     """Clip the gradients' global norm to this before each step (both sides)."""
+    schedule: Callable[[int], float] | None = None
+    """The learning rate's factor at each step, as torch's ``LambdaLR`` takes it, for
+    every optimizer on both sides; None: a constant learning rate."""
     seed: int = 0
     """The seed ``build_model`` runs under."""
     timeout: float = 600.0
@@ -96,6 +108,8 @@ class Trial:
     """What to call the run in the report: ``model``, ``optimizer`` (filled in if absent)."""
 
     def __post_init__(self) -> None:
+        if self.schedule is not None and not callable(self.schedule):
+            raise ValueError(f"schedule={self.schedule!r} is not callable")
         for name in ("build_model", "build_optimizer", "loss"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not callable")
@@ -124,3 +138,9 @@ class Trial:
     @property
     def steps(self) -> int:
         return len(self.batches)
+
+    def schedules(self, optimizers: list) -> list:
+        """Each optimizer's ``LambdaLR`` (none without a schedule)."""
+        if self.schedule is None:
+            return []
+        return [torch.optim.lr_scheduler.LambdaLR(o, self.schedule) for o in optimizers]

@@ -12,6 +12,8 @@ optimizer, padding, gathered, buffers, as the ledger counts them).
 
 from __future__ import annotations
 
+from .optimizer import each
+
 PACKAGE = "tensorboard"
 
 
@@ -49,7 +51,9 @@ class Board:
         """Read memory by category at every optimizer step, where every category is live
         (after backward, the reductions landed)."""
         if self.writer is not None:
-            optimizer.register_step_pre_hook(lambda o, a, k: self.held.update(model.memory(o)))
+            first = each(optimizer)[0]  # Muon's pair: read once, for both
+            first.register_step_pre_hook(
+                lambda o, a, k: self.held.update(model.memory(optimizer)))
 
     def step(self, record: dict, skipped_total: int) -> None:
         if self.writer is None:

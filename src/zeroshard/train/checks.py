@@ -14,7 +14,8 @@ from ..models.gpt import PRESETS
 
 #: What each annotated type accepts, in the words of an error.
 _TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
-          "str": ((str,), "a string"), "dict": ((dict,), "a JSON object")}
+          "str": ((str,), "a string"), "dict": ((dict,), "a JSON object"),
+          "list": ((list, tuple), "a list")}
 
 #: Shortest --timeout: every wait is bounded by it, the ranks' first meeting (all of them
 #: started and connected to each other) included, which takes a few seconds.

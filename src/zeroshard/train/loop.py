@@ -18,6 +18,7 @@ from ..runtime.unit import local
 from .board import Board
 from .datasource import open_source
 from .hfmodel import model_source
+from .optimizer import build_optimizer, schedule
 from .peftmodel import compile_units, trainable_count
 from .profile import profile_report
 from .report import Reporter, layout
@@ -81,7 +82,7 @@ def lr_lambda(cfg: TrainConfig):
 
 def set_up(cfg: TrainConfig) -> Run:
     """This rank's run: the process group, the model (its own weights not read where a
-    checkpoint replaces them), AdamW, the schedule, the loss scaler, the data, the
+    checkpoint replaces them), the optimizer, the schedule, the loss scaler, the data, the
     reporter (the header printed) and the JSON log."""
     rank, world = init_distributed(timeout_s=cfg.timeout)
     device = default_device()  # batches are made on the host, the same on every rank
@@ -98,8 +99,8 @@ def set_up(cfg: TrainConfig) -> Run:
     compile_units(model, cfg)  # --compile: each unit's forward (train/peftmodel.py)
     if model.profiler is not None:
         model.profiler.enabled = False
-    optimizer = _adamw(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    optimizer = build_optimizer(model, cfg)  # one, or Muon's pair (train/optimizer.py)
+    scheduler = schedule(optimizer, lr_lambda(cfg))
     # fp16: dynamic loss scaling, every rank alike (skipped steps count as skips)
     fp16 = model.zero_config.recipe.param_dtype == "fp16"
     scaler = (GradScaler.from_deepspeed(model, {"fp16": cfg.loss_scaler})
@@ -116,13 +117,6 @@ def set_up(cfg: TrainConfig) -> Run:
     return Run(cfg, rank, world, device, micro, accum, source, model, optimizer, scheduler,
                scaler, corpus, out, unit_params, checkpoint, log)
 
-
-def _adamw(model, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (dim >= 2), not biases or norms."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
 
 
 def _begin(run: Run) -> None:

@@ -19,6 +19,7 @@ from ..runtime.model import ShardedModel
 from ..runtime.scaler import GradScaler
 from .board import Board
 from .hfmodel import BuiltinGPT, HFCausalLM
+from .optimizer import Schedules
 from .report import Reporter
 from .settings import TrainConfig
 
@@ -39,8 +40,9 @@ class Run:
     source: BuiltinGPT | HFCausalLM
     """The model's kind: its sequence length, loss and sample."""
     model: ShardedModel
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]
+    """``--optimizer``'s: one, or Muon's pair (``train/optimizer.py``)."""
+    scheduler: torch.optim.lr_scheduler.LambdaLR | Schedules
     scaler: GradScaler
     corpus: Corpus | PackedCorpus
     out: Reporter

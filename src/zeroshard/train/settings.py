@@ -11,6 +11,7 @@ from ..runtime.scaler import GradScaler
 from ..spec.config import ZeroConfig, is_deepspeed
 from ..spec.deepspeed import SCALER_KEYS, fields_set
 from .checks import check_values
+from .optimizer import check_optimizer
 from .peftmodel import check_adapters
 
 
@@ -57,11 +58,23 @@ class TrainConfig:
     """Sequences per process per forward; None: batch / N (no accumulation). The number
     of accumulated micro-batches is batch / (N · micro_batch)."""
     lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate."""
+    optimizer: str = "adamw"
+    """The optimizer, by the planner's names (``zeroshard plan --optimizer``): adamw,
+    sgd (with momentum), lamb (``zeroshard.optim.Lamb``), adafactor (torch's), or muon
+    (torch's Muon for the hidden matrices, AdamW for the rest: ``train/optimizer.py``)."""
+    betas: list | None = None
+    """AdamW's and LAMB's (beta1, beta2) (with muon: its AdamW's); None: (0.9, 0.999)."""
+    eps: float | None = None
+    """AdamW's and LAMB's epsilon (with muon: Muon's and its AdamW's); None: their
+    defaults."""
+    momentum: float | None = None
+    """SGD's momentum (default 0.9) or Muon's (default 0.95)."""
     warmup: int | None = None
     """Linear warm-up steps; None: 10% of the steps. Cosine decay to lr/10 follows."""
     weight_decay: float = 0.1
-    """AdamW weight decay on matrices (parameters with dim >= 2), not biases or norms."""
+    """Weight decay on matrices (parameters with dim >= 2), not biases or norms (every
+    weight with adafactor, which takes one rate)."""
     clip: float | None = 1.0
     """Global gradient-norm clip; None disables it."""
     seed: int = 0
@@ -145,6 +158,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_values(self)
+        check_optimizer(self)
         check_adapters(self)
         zero = self.zero if isinstance(self.zero, ZeroConfig) else ZeroConfig.load(self.zero)
         units = zero.units

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .optimizer import each
 from .run import Run
 from .settings import TrainConfig
 
@@ -68,12 +69,15 @@ def train_step(run: Run, step: int) -> dict:
         model.profiler.enabled = run.start + 1 <= step < run.start + 3
     t0 = time.perf_counter()
     step_loss = _micro_batches(run, step)
-    scaler.unscale_(optimizer)
+    opts = each(optimizer)  # one, or Muon's pair: unscaled once, stepped together
+    scaler.unscale_(opts[0])
     norm = model.clip_grad_norm_(cfg.clip) if cfg.clip else None
-    scaler.step(optimizer)
+    for o in opts:
+        scaler.step(o)
     scaler.update()
     run.scheduler.step()
-    optimizer.zero_grad()
+    for o in opts:
+        o.zero_grad()
     loss_value = _loss_and_weights(run, step_loss, step)
     _count_skipped(run, step + 1)
     dt = time.perf_counter() - t0
@@ -130,11 +134,11 @@ def _read_memory_during_the_step(run: Run) -> None:
     """The memory summary is read where every category is live: after the last
     backward, once the engine has landed its reductions; the optimizer's state after
     the step (a first step creates it)."""
-    model, held = run.model, run.held
-    run.optimizer.register_step_pre_hook(
-        lambda o, a, k: held.append(model.memory(o)) if not held else None)
-    run.optimizer.register_step_post_hook(
-        lambda o, a, k: held[0].update(optimizer=model.memory(o)["optimizer"]))
+    model, held, opts = run.model, run.held, each(run.optimizer)
+    opts[0].register_step_pre_hook(
+        lambda o, a, k: held.append(model.memory(run.optimizer)) if not held else None)
+    opts[-1].register_step_post_hook(
+        lambda o, a, k: held[0].update(optimizer=model.memory(run.optimizer)["optimizer"]))
 
 
 def _count_skipped(run: Run, step: int) -> None:
