@@ -47,8 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _checked(args, cfg) -> list[str]:
     """What verify refuses, and notes on what it leaves out."""
-    if args.verify_steps is None or args.verify_steps < 1:
-        raise ValueError(f"--verify-steps={args.verify_steps}; expected a positive integer")
+    for name in ("verify_steps", "layers", "hidden"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value}; expected a positive "
+                             "integer")
     if cfg.tp > 1:
         raise ValueError(f"tp={cfg.tp}: verify compares data-parallel ZeRO against the plain "
                          "model; tensor parallelism is checked against the tp = 1 curve by "

@@ -43,8 +43,14 @@ class Certificate:
 
     @property
     def first_difference(self) -> Difference | None:
-        """The category furthest past its bound, or None where none DIFFERS."""
+        """Where the computation first departs, or None where nothing DIFFERS: the initial
+        weights, else the gradients of step 1 (the first forward, backward and reduction),
+        else the category furthest past its bound (what K steps made of it)."""
         differs = [r for r in self.rows if r.verdict == DIFFERS]
+        for first in ("initial weights", "gradients, step 1"):
+            found = next((r for r in differs if r.category == first), None)
+            if found is not None:
+                return found
         return max(differs, key=lambda r: r.rel_diff / r.bound if r.bound else float("inf"),
                    default=None)
 

@@ -53,14 +53,15 @@ def certify(trial: Trial, title: str | None = None, notes: list[str] | None = No
     """The :class:`Certificate` of a checked :class:`Trial` (``verify``'s work, and
     ``zeroshard verify``'s)."""
     zero, seed, nproc, timeout = trial.config, trial.seed, trial.nproc, trial.timeout
+    # the reference first: a model or optimizer that cannot be built fails here, plainly
+    reference = run_reference(trial)
+    nudged = run_reference(trial, nudge=seed + 1)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
         sharded = spawn(run_rank, nproc, trial, backend=backend, timeout=timeout)[0]
     except RankFailure as exc:
         raise RuntimeError(f"the sharded run failed before it could be compared: "
                            f"{exc.one_line()}") from exc
-    reference = run_reference(trial)
-    nudged = run_reference(trial, nudge=seed + 1)
     rows = compare(sharded["outcome"], reference, nudged, zero.recipe)
     opt_name = _planner_name(reference.optimizers)
     return Certificate(
@@ -79,10 +80,8 @@ def _planner_name(classes: list[str]) -> str | None:
 
 
 def _title(zero: ZeroConfig, nproc: int, opt_name: str | None, trial: Trial) -> str:
-    parts = [f"stage {zero.stage}", zero.recipe.name, f"N = {nproc}",
-             f"{trial.steps} steps"]
-    if opt_name:
-        parts.insert(2, opt_name)
+    recipe = zero.recipe.with_optimizer(opt_name) if opt_name else zero.recipe
+    parts = [f"stage {zero.stage}", recipe.name, f"N = {nproc}", f"{trial.steps} steps"]
     if zero.offload:
         parts.append(f"offload {zero.offload}")
     if zero.activation_checkpointing not in (None, "none"):

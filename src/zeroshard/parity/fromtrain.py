@@ -43,7 +43,7 @@ def _builtin(cfg: TrainConfig, shrink: Shrink) -> nn.Module:
     gpt = get_preset(cfg.model)
     changes = {k: v for k, v in dataclasses.asdict(shrink).items() if v is not None}
     if "hidden" in changes and changes["hidden"] % gpt.heads:
-        raise ValueError(f"hidden={changes['hidden']} does not divide into GPT {cfg.model}'s "
+        raise ValueError(f"--hidden={changes['hidden']} does not divide into GPT {cfg.model}'s "
                          f"{gpt.heads} heads; give a multiple of {gpt.heads}")
     return GPT(dataclasses.replace(gpt, **changes))
 
@@ -61,7 +61,7 @@ def _hf(cfg: TrainConfig, shrink: Shrink) -> nn.Module:
     if shrink.hidden is not None:
         heads = config.num_attention_heads
         if shrink.hidden % heads:
-            raise ValueError(f"hidden={shrink.hidden} does not divide into the model's {heads} "
+            raise ValueError(f"--hidden={shrink.hidden} does not divide into the model's {heads} "
                              f"attention heads; give a multiple of {heads}")
         config.hidden_size = shrink.hidden
         if hasattr(config, "head_dim"):

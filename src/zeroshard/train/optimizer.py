@@ -31,6 +31,11 @@ HYPERPARAMETERS = {"betas": ("adamw", "lamb", "muon"), "eps": ("adamw", "lamb", 
 SGD_MOMENTUM = 0.9
 
 
+def _words(names) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def check_optimizer(cfg) -> None:
     """``cfg.optimizer`` and its hyperparameters against what the optimizer takes."""
     if cfg.optimizer not in OPTIMIZERS:
@@ -39,15 +44,15 @@ def check_optimizer(cfg) -> None:
         value = getattr(cfg, name)
         if value is not None and cfg.optimizer not in takers:
             takes = [n for n, t in HYPERPARAMETERS.items() if cfg.optimizer in t]
-            raise ValueError(f"{name}={value!r} is not a setting of optimizer="
-                             f"{cfg.optimizer!r} (it is {', '.join(takers)}'s); "
-                             f"{cfg.optimizer} takes {', '.join(takes) or 'lr and weight_decay'}")
+            also = f", which takes {' and '.join(takes)}" if takes else ""
+            raise ValueError(f"{name}={value!r} is a setting of {_words(takers)} only, not "
+                             f"of optimizer={cfg.optimizer!r}{also}")
     if cfg.betas is not None:
         betas = list(cfg.betas)
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
                                       and 0 <= b < 1 for b in betas):
-            raise ValueError(f"betas={cfg.betas!r}; expected two numbers in [0, 1), e.g. "
-                             "[0.9, 0.95]")
+            raise ValueError(f"betas={cfg.betas!r}; expected two numbers in [0, 1) "
+                             "(--betas 0.9,0.95; in JSON [0.9, 0.95])")
     if cfg.eps is not None and not (0 < cfg.eps < 1 and math.isfinite(cfg.eps)):
         raise ValueError(f"eps={cfg.eps!r}; expected a small positive number, e.g. 1e-8")
     if cfg.momentum is not None and not 0 <= cfg.momentum < 1:
