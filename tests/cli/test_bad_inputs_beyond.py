@@ -90,7 +90,7 @@ def test_leftover_rank_variables_are_named_by_init_distributed(monkeypatch):
 
 def test_max_skipped_is_the_flag_the_help_names(capsys):
     from zeroshard.cli import build_parser
-    from zeroshard.commands.train import _config
+    from zeroshard.commands.train import config_of as _config
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zeroshard.cli import build_parser, main
-from zeroshard.commands.train import _config
+from zeroshard.commands.train import config_of as _config
 from zeroshard.runtime.spawn import spawn
 from zeroshard.spec.config import ZeroConfig
 from zeroshard.train import early
@@ -100,13 +100,14 @@ def test_deepspeed_config_keys():
           "bf16": {"enabled": True},
           "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 2,
           "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW"}}
-    with pytest.warns(UserWarning, match="ignored by zeroshard: optimizer, "
+    with pytest.warns(UserWarning, match="ignored by zeroshard: "
                                          "zero_optimization.overlap_comm$"):
         out = from_deepspeed(ds, nproc=2)
     assert out == {"zero": ZeroConfig(stage=2, mixed_precision="bf16",
                                       param_persistence_threshold=10000,
                                       reduce_bucket_size=500_000_000,
                                       prefetch_bucket_size=50_000_000),
+                   "optimizer": "adamw", "weight_decay": 0.0,  # DeepSpeed's Adam's default
                    "clip": 0.5, "batch": 16, "micro_batch": 2}
     assert TrainConfig(**out).accumulation(2) == (2, 4)
 
@@ -281,9 +282,10 @@ def test_deepspeed_config_goes_through_the_engines_translator(tmp_path, monkeypa
     assert cfg.zero == ZeroConfig(stage=2, mixed_precision="bf16", reduce_bucket_size=7,
                                   nonfinite="skip")  # the trainer's default
     assert (cfg.batch, cfg.clip) == (32, None)  # the trainer's keys, on top
+    assert (cfg.schedule, cfg.warmup, cfg.warmup_type) == ("constant", 1000, "log")
     (warning,) = recwarn.list  # one warning names every key neither honours
     assert str(warning.message) == ("DeepSpeed config keys ignored by zeroshard: "
-                                    "scheduler, zero_optimization.overlap_comm")
+                                    "zero_optimization.overlap_comm")
 
 
 def test_engine_keys_flat_or_nested_under_zero(tmp_path):

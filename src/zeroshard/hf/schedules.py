@@ -14,9 +14,10 @@ import math
 
 import torch
 
-#: DeepSpeed's defaults for its Adam (``deepspeed.ops.adam.FusedAdam``), which torch's
-#: differ from (AdamW's weight decay is 0.01 in torch, 0 in DeepSpeed).
-_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+from ..spec.deepspeed import DEEPSPEED_ADAM
+
+#: DeepSpeed's defaults for its Adam, which torch's differ from.
+_ADAM_DEFAULTS = DEEPSPEED_ADAM
 #: Params DeepSpeed reads to pick its implementation, not the update.
 _IMPLEMENTATION = ("torch_adam", "adam_w_mode", "fused")
 

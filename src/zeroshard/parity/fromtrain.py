@@ -108,12 +108,12 @@ class TrainOptimizer:
 
 @dataclass(frozen=True)
 class TrainSchedule:
-    """The trainer's learning-rate factor at each step (warm-up, then cosine)."""
+    """The trainer's learning-rate factor at each step (``train/lrschedule.py``)."""
 
     cfg: TrainConfig
 
     def __call__(self, step: int) -> float:
-        from ..train.loop import lr_lambda
+        from ..train.lrschedule import lr_lambda
 
         return lr_lambda(self.cfg)(step)
 

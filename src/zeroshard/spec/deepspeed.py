@@ -25,6 +25,11 @@ DEEPSPEED_KEYS = {
 #: loss scaler's (``zs.GradScaler.from_deepspeed``), not the engine's.
 DEEPSPEED_FP16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                   "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}
+#: DeepSpeed's defaults for its Adam (``deepspeed.ops.adam.FusedAdam``), where torch's
+#: differ (AdamW's weight decay is 0.01 in torch, 0 in DeepSpeed): read by the Trainer's
+#: integration (``hf/schedules.py``) and the trainer's ``optimizer`` section
+#: (``train/optimizer.py``).
+DEEPSPEED_ADAM = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 #: The keys of DeepSpeed's fp16 block that set loss scaling (all but ``enabled``).
 SCALER_KEYS = tuple(DEEPSPEED_FP16)
 #: DeepSpeed's offload sections (``zero_optimization.offload_*``): read by

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from ..runtime.unit import local
 from .board import Board
 from .datasource import open_source
 from .hfmodel import model_source
+from .lrschedule import lr_lambda
 from .optimizer import build_optimizer, schedule
 from .peftmodel import compile_units, trainable_count
 from .profile import profile_report
@@ -65,19 +65,6 @@ def _log(run: Run, record: dict) -> None:
         raise OSError(exc.errno, f"{exc.strerror or exc} at step {record['step']}, so the run "
                       "stopped there (checkpoints saved before it are complete)",
                       f"--json-log={run.cfg.json_log}") from None
-
-
-def lr_lambda(cfg: TrainConfig):
-    """Linear warm-up, then cosine decay to a tenth of the peak."""
-    warmup = cfg.warmup if cfg.warmup is not None else max(1, cfg.steps // 10)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
 
 
 def set_up(cfg: TrainConfig) -> Run:

@@ -31,6 +31,51 @@ HYPERPARAMETERS = {"betas": ("adamw", "lamb", "muon"), "eps": ("adamw", "lamb", 
 SGD_MOMENTUM = 0.9
 
 
+#: DeepSpeed's optimizer types (``deepspeed/runtime/config.py``) -> the planner's names.
+#: Its Adam is AdamW unless ``adam_w_mode`` is false (DeepSpeed's default: true).
+_DEEPSPEED_TYPES = {"adam": "adamw", "adamw": "adamw", "fusedadam": "adamw",
+                    "cpuadam": "adamw", "deepspeedcpuadam": "adamw", "lamb": "lamb",
+                    "fusedlamb": "lamb", "sgd": "sgd", "adafactor": "adafactor", "muon": "muon"}
+#: DeepSpeed's optimizer parameters -> TrainConfig's settings.
+_DEEPSPEED_PARAMS = {"lr": "lr", "betas": "betas", "eps": "eps",
+                     "weight_decay": "weight_decay", "momentum": "momentum"}
+#: Parameters that select an implementation, not the arithmetic, and the values that
+#: leave the arithmetic as zeroshard's (None: any).
+_DEEPSPEED_SWITCHES = {"adam_w_mode": True, "bias_correction": True, "amsgrad": False,
+                       "torch_adam": None, "fused": None, "foreach": None}
+
+
+def from_deepspeed_optimizer(section) -> dict:
+    """The TrainConfig settings DeepSpeed's ``optimizer`` section gives (``"auto"``: left
+    to the trainer's own value, as Hugging Face's integration fills it)."""
+    if not isinstance(section, dict) or not isinstance(section.get("type"), str):
+        raise ValueError(f"optimizer={section!r} must be a JSON object with a \"type\"")
+    name = _DEEPSPEED_TYPES.get(section["type"].lower())
+    if name is None:
+        raise ValueError(f"optimizer.type={section['type']!r}; zeroshard's trainer runs Adam "
+                         "and AdamW (as adamw), Lamb, SGD, Adafactor and Muon (1-bit and "
+                         "0/1 Adam compress DeepSpeed's own communication)")
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"optimizer.params={params!r} must be a JSON object")
+    out = {"optimizer": name}
+    for key, value in params.items():
+        if value == "auto":
+            continue
+        if key in _DEEPSPEED_PARAMS:
+            out[_DEEPSPEED_PARAMS[key]] = value
+        elif key in _DEEPSPEED_SWITCHES:
+            wanted = _DEEPSPEED_SWITCHES[key]
+            if wanted is not None and value != wanted:
+                raise ValueError(f"optimizer.params.{key}={value!r}: zeroshard's {name} runs "
+                                 f"with {key}={wanted!r} only")
+        else:
+            known = ", ".join(repr(k) for k in [*_DEEPSPEED_PARAMS, *_DEEPSPEED_SWITCHES])
+            raise ValueError(f"optimizer.params.{key} is not a setting zeroshard's trainer "
+                             f"reads; expected some of {known}")
+    return out
+
+
 def _words(names) -> str:
     names = list(names)
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, fields, replace
 from .._jsonfile import read_json_object
 from ..runtime.scaler import GradScaler
 from ..spec.config import ZeroConfig, is_deepspeed
-from ..spec.deepspeed import SCALER_KEYS, fields_set
+from ..spec.deepspeed import DEEPSPEED_ADAM, SCALER_KEYS, fields_set
 from .checks import check_values
-from .optimizer import check_optimizer
+from .lrschedule import check_schedule, from_deepspeed_scheduler
+from .optimizer import check_optimizer, from_deepspeed_optimizer
 from .peftmodel import check_adapters
 
 
@@ -71,7 +72,19 @@ class TrainConfig:
     momentum: float | None = None
     """SGD's momentum (default 0.9) or Muon's (default 0.95)."""
     warmup: int | None = None
-    """Linear warm-up steps; None: 10% of the steps. Cosine decay to lr/10 follows."""
+    """Warm-up steps; None: 10% of the steps. The decay of ``schedule`` follows."""
+    schedule: str = "cosine"
+    """After the warm-up: "cosine" or "linear" decay to ``min_lr_ratio`` × lr at
+    ``decay_steps``, or "constant" (``train/lrschedule.py``; DeepSpeed's ``scheduler``
+    section sets it)."""
+    min_lr_ratio: float = 0.1
+    """Where the decay ends, as a share of lr."""
+    warmup_type: str = "linear"
+    """The warm-up's shape: "linear", or DeepSpeed's "log"."""
+    warmup_start_ratio: float = 0.0
+    """Where the warm-up starts, as a share of lr."""
+    decay_steps: int | None = None
+    """The step the decay ends at; None: the run's last."""
     weight_decay: float = 0.1
     """Weight decay on matrices (parameters with dim >= 2), not biases or norms (every
     weight with adafactor, which takes one rate)."""
@@ -159,6 +172,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_values(self)
         check_optimizer(self)
+        check_schedule(self)
         check_adapters(self)
         zero = self.zero if isinstance(self.zero, ZeroConfig) else ZeroConfig.load(self.zero)
         units = zero.units
@@ -217,6 +231,10 @@ TRAINER_FROM_DEEPSPEED = {"gradient_clipping": ("clip",),
                           "train_batch_size": ("batch",),
                           "gradient_accumulation_steps": ("batch", "micro_batch")}
 TRAINER_DEEPSPEED_KEYS = tuple(TRAINER_FROM_DEEPSPEED)
+#: DeepSpeed's sections the trainer reads whole, each into the settings its reader
+#: returns (``train/optimizer.py``, ``train/lrschedule.py``).
+TRAINER_DEEPSPEED_SECTIONS = {"optimizer": from_deepspeed_optimizer,
+                              "scheduler": from_deepspeed_scheduler}
 
 
 def from_deepspeed(ds: dict, nproc: int) -> dict:
@@ -229,10 +247,17 @@ def from_deepspeed(ds: dict, nproc: int) -> dict:
     if isinstance(fp16, dict) and fp16.get("enabled") is True:
         GradScaler.deepspeed_settings(ds)  # a bad value is named before launch
         scaling = {k: v for k, v in fp16.items() if k in SCALER_KEYS}
-    handled = TRAINER_DEEPSPEED_KEYS + tuple(f"fp16.{k}" for k in scaling)
+    handled = (TRAINER_DEEPSPEED_KEYS + tuple(TRAINER_DEEPSPEED_SECTIONS)
+               + tuple(f"fp16.{k}" for k in scaling))
     zero = ZeroConfig.from_deepspeed(ds, handled=handled)
     flat = {k: ds[k] for k in TRAINER_DEEPSPEED_KEYS if k in ds}
     out: dict = {"zero": zero}
+    for key, read in TRAINER_DEEPSPEED_SECTIONS.items():  # the scheduler's peak lr last
+        if key in ds:
+            out.update(read(ds[key]))
+    if out.get("optimizer") == "adamw" and "weight_decay" not in out:
+        # DeepSpeed's Adam decays nothing unless told (unlike the trainer's 0.1)
+        out["weight_decay"] = DEEPSPEED_ADAM["weight_decay"]
     if scaling:
         out["loss_scaler"] = {"enabled": True, **scaling}
     for key, v in flat.items():
@@ -309,13 +334,16 @@ def _from_file(path: str, nproc: int) -> tuple[ZeroConfig, dict, dict]:
     by its own reader; a setting both give is refused by name."""
     where = f"config {path}"
     data = read_json_object(path, "config")
-    ours = {k: v for k, v in data.items() if _is_ours(k)}
-    ds = {k: v for k, v in data.items() if not _is_ours(k)}
-    if not (is_deepspeed(ds) or any(k in ds for k in TRAINER_DEEPSPEED_KEYS)):
+    ours = {k: v for k, v in data.items() if _is_ours(k, v)}
+    ds = {k: v for k, v in data.items() if not _is_ours(k, v)}
+    if not (is_deepspeed(ds) or any(k in ds for k in [*TRAINER_DEEPSPEED_KEYS,
+                                                     *TRAINER_DEEPSPEED_SECTIONS])):
         return (TRAIN_ZERO, *_split(data, where))  # an unknown key is named there
     trainer, engine = _split(ours, where)
     given = {**fields_set(ds), **{name: key for key, names in TRAINER_FROM_DEEPSPEED.items()
-                                  if key in ds for name in names}}
+                                  if key in ds for name in names},
+             **{name: key for key, read in TRAINER_DEEPSPEED_SECTIONS.items()
+                if key in ds for name in read(ds[key])}}
     if isinstance(ds.get("fp16"), dict) and any(k in ds["fp16"] for k in SCALER_KEYS):
         given["loss_scaler"] = "fp16"
     twice = next((n for n in [*trainer, *engine] if n in given), None)
@@ -327,9 +355,12 @@ def _from_file(path: str, nproc: int) -> tuple[ZeroConfig, dict, dict]:
     return zero, {**from_ds, **trainer}, engine
 
 
-def _is_ours(key: str) -> bool:
+def _is_ours(key: str, value) -> bool:
     """Whether a top-level key of a ``--config`` file is zeroshard's own (a trainer
-    setting, an engine setting or an alias, or ``zero``), not DeepSpeed's."""
+    setting, an engine setting or an alias, or ``zero``), not DeepSpeed's: DeepSpeed's
+    ``optimizer`` is a section (a JSON object), zeroshard's a name."""
+    if key in TRAINER_DEEPSPEED_SECTIONS and isinstance(value, dict):
+        return False
     return (key == "zero" or key in _ALIASES or key in engine_keys()
             or key in {f.name for f in fields(TrainConfig)})
 
