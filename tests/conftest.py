@@ -1,8 +1,9 @@
 """The test suite, in folders by package: ``spec/`` (what a configuration means), ``plan/``
 (the planner and its page), ``engine/`` (the runtime on real gloo ranks, against torch
 DDP), ``checkpoint/`` (save, load, export, DCP, DeepSpeed's), ``train/`` (``zeroshard
-train`` and its data), ``cli/`` (every command's bad input and messages), ``trainers/``
-(Hugging Face's, TRL's and Lightning's), ``project/`` (the tree's rules, the package).
+train`` and its data), ``parity/`` (``zs.verify`` and ``zeroshard verify``), ``cli/``
+(every command's bad input and messages), ``trainers/`` (Hugging Face's, TRL's and
+Lightning's), ``project/`` (the tree's rules, the package).
 The main tier is ``pytest``; ``pytest -m slow`` runs the rest (docs/development.md).
 
 Fixtures shared across folders live here; a folder's own beside its tests.

@@ -169,7 +169,8 @@ def _one_line(err: str, line: str, tmp: Path, what: str) -> None:
 def test_the_catalogue_is_large_and_covers_every_command():
     sections = {s for s, _, _ in ROWS}
     assert len(ROWS) >= 300, len(ROWS)
-    for name in ("zeroshard plan", "zeroshard train", "--config", "zeroshard export",
+    for name in ("zeroshard plan", "zeroshard train", "zeroshard verify", "--config",
+                 "zeroshard export",
                  "zeroshard inspect", "zeroshard import-deepspeed", "zeroshard bench",
                  "zeroshard demo", API, LAUNCHED):
         assert any(name in s for s in sections), (name, sections)

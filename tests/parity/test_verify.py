@@ -85,8 +85,11 @@ def test_a_model_built_differently_on_each_rank_is_named():
     assert cert.summary() == f"DIFFERS: initial weights: {first.note}"
 
 
-def test_memory_and_traffic_beside_the_planner():
-    cert = _verify("gpt", "adamw", 3, "bf16")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_memory_and_traffic_beside_the_planner(optimizer):
+    """The ledger's bytes and the traffic are the planner's for the same layout (beside
+    Muon: its owner-computes all-to-alls, and AdamW's state for the embeddings)."""
+    cert = _verify("gpt", optimizer, 3, "bf16")
     for category in ("params", "grads", "optimizer"):
         measured, planned = cert.memory[category]
         assert planned is not None and measured == pytest.approx(planned, rel=0.01), category

@@ -74,9 +74,8 @@ class Certificate:
                       f"[{_STYLE[r.verdict]}]{r.verdict}[/]")
         console.print(t)
         if self.memory:
-            m = Table(title="memory on rank 0 (MB): the ledger / the planner",
-                      title_justify="left")
-            for col in ("category", "measured", "planned"):
+            m = Table(title="rank 0, MB", title_justify="left")
+            for col in ("category", "the ledger", "the planner"):
                 m.add_column(col, justify="right")
             for k, (measured, planned) in self.memory.items():
                 m.add_row(k, f"{measured / MB:.3f}",

@@ -67,7 +67,7 @@ def certify(trial: Trial, title: str | None = None, notes: list[str] | None = No
     return Certificate(
         overall(rows), rows, title or _title(zero, nproc, opt_name, trial),
         "the unsharded model in one process (the recipe's casts in plain torch)",
-        memory=_memory(sharded, zero, opt_name), comm=_comm(sharded, zero),
+        memory=_memory(sharded, zero, opt_name), comm=_comm(sharded, zero, opt_name),
         notes=[*(notes or []), *_notes(reference)])
 
 
@@ -105,7 +105,7 @@ def _memory(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
         config = replace(zero, mixed_precision=zero.recipe.with_optimizer(opt_name))
         try:
             planned = model_state_bytes(params, sharded["dims"], config, trainable=trainable,
-                                        shapes=sharded["shapes"])
+                                        shapes=_as_planned(sharded, opt_name))
         except ValueError:  # a count the planner does not make (Muon beside LoRA)
             planned = (None, None, None)
     out = {k: (held.get(k, 0), p) for k, p in zip(("params", "grads", "optimizer"), planned,
@@ -114,8 +114,26 @@ def _memory(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
     return out
 
 
-def _comm(sharded: dict, zero: ZeroConfig) -> dict:
-    """Bytes rank 0 sent per step (the engine's checks aside) beside the planner's."""
+def _as_planned(sharded: dict, opt_name: str) -> list[tuple[int, ...]]:
+    """The shapes as the planner should count them: beside Muon it counts every matrix
+    as Muon's, so a matrix the user gave AdamW (an embedding, the head) goes in as the
+    vector of its elements, which the planner counts with AdamW's two states."""
+    if opt_name != "muon":
+        return sharded["shapes"]
+    out = []
+    for name, shapes in zip(sharded["optimizers"], sharded["stepped"], strict=True):
+        muon = _PLANNED.get(name) == "muon"
+        out += [s if muon or len(s) != 2 else (s[0] * s[1],) for s in shapes]
+    return out
+
+
+def _comm(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
+    """Bytes rank 0 sent per step (the engine's checks aside) beside the planner's: the
+    stage's collectives, and the optimizer's own (Muon's owner computes over the
+    matrices Muon steps, Adafactor's and LAMB's sums)."""
+    from dataclasses import replace
+
+    from ..plan.comm import optimizer_comm
     from ..train.report import planned_comm
 
     steps = max(1, sharded.get("steps", 1))
@@ -123,6 +141,12 @@ def _comm(sharded: dict, zero: ZeroConfig) -> dict:
     params = sum(sharded["units"])
     trainable = sharded["trainable"] if sharded["trainable"] < params else None
     planned = planned_comm(params, sharded["dims"], zero, 1, sharded["units"], trainable)
+    if opt_name is not None:
+        config = replace(zero, mixed_precision=zero.recipe.with_optimizer(opt_name))
+        own = [s for name, s in zip(sharded["optimizers"], sharded["stepped"], strict=True)
+               if _PLANNED.get(name) == opt_name]
+        planned += optimizer_comm([s for shapes in own for s in shapes], sharded["dims"],
+                                  config)
     return {"measured": sent / steps, "planned": planned}
 
 

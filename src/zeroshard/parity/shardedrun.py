@@ -118,8 +118,13 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
             return None
         outcome.weights, outcome.state = read_checkpoint(f"{shared[0]}/ckpt")
     units = [sum(local(p).numel() for p in u.params) for u in model.units]
+    full = {id(shard): tuple(local(u.params[i]).shape) for u in model.units
+            for i, shard in enumerate(u.shards) if shard is not None}
+    stepped = [[full[id(p)] for g in o.param_groups for p in g["params"] if id(p) in full]
+               for o in opts]
     trainable = sum(u.params[i].numel() for u in model.units for i in u.trainable)
     return {"outcome": outcome, "memory": held, "comm": comm, "units": units,
             "trainable": trainable, "shapes": [tuple(local(p).shape) for u in model.units
                                                for p in u.params],
-            "dims": model.mesh.dims, "steps": trial.steps}
+            "dims": model.mesh.dims, "steps": trial.steps, "stepped": stepped,
+            "optimizers": [type(o).__name__ for o in opts]}

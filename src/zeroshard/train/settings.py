@@ -342,8 +342,8 @@ def _from_file(path: str, nproc: int) -> tuple[ZeroConfig, dict, dict]:
     trainer, engine = _split(ours, where)
     given = {**fields_set(ds), **{name: key for key, names in TRAINER_FROM_DEEPSPEED.items()
                                   if key in ds for name in names},
-             **{name: key for key, read in TRAINER_DEEPSPEED_SECTIONS.items()
-                if key in ds for name in read(ds[key])}}
+             **{name: _section_key(key, name) for key, read in
+                TRAINER_DEEPSPEED_SECTIONS.items() if key in ds for name in read(ds[key])}}
     if isinstance(ds.get("fp16"), dict) and any(k in ds["fp16"] for k in SCALER_KEYS):
         given["loss_scaler"] = "fp16"
     twice = next((n for n in [*trainer, *engine] if n in given), None)
@@ -353,6 +353,15 @@ def _from_file(path: str, nproc: int) -> tuple[ZeroConfig, dict, dict]:
     from_ds = from_deepspeed(ds, nproc)
     zero = replace(from_ds.pop("zero"), nonfinite=TRAIN_ZERO.nonfinite)
     return zero, {**from_ds, **trainer}, engine
+
+
+def _section_key(section: str, name: str) -> str:
+    """The DeepSpeed key that set setting ``name`` from ``section`` (for "given twice")."""
+    if name == "optimizer":
+        return "optimizer.type"
+    if section == "scheduler":
+        return "scheduler.params.warmup_max_lr" if name == "lr" else "scheduler.params"
+    return f"optimizer.params.{name}"
 
 
 def _is_ours(key: str, value) -> bool:
