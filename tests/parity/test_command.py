@@ -72,3 +72,26 @@ def test_a_wrong_configuration_exits_1(monkeypatch, capfd):
                         capfd)
     assert code == 1, out
     assert "DIFFERS: gradients, step 1: relative difference 0.5 in" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shrink", [["--layers", "1"], ["--hidden", "16"]])
+def test_a_hugging_face_folder_on_its_data_shrunk(shrink, tmp_path_factory, tmp_path, capfd):
+    """A Llama folder (tied head, grouped key/value heads) on text files tokenized by its
+    own tokenizer, at stage 3 in bf16 with Muon: the first block's weights read from the
+    folder, or another width with seeded weights."""
+    from tests.train.test_hf import _data, _models
+
+    root = tmp_path_factory.mktemp("hf")
+    _models(root)
+    _data(root)
+    code, out, _ = _run(["verify", "--hf-model", str(root / "llama"), "--data",
+                         str(root / "text"), "--stage", "3", "--mixed-precision", "bf16",
+                         "--optimizer", "muon", "--seq-len", "32", "--batch", "4",
+                         "--verify-steps", "3", *shrink, "--json", str(tmp_path / "c.json")],
+                        capfd)
+    assert code == 0, out
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["verdict"] == "bitwise", data
+    assert data["title"].startswith(f"Hugging Face LlamaForCausalLM ({shrink[0][2:]} "
+                                    f"{shrink[1]}), stage 3, bf16-mixed-muon")
