@@ -176,10 +176,11 @@ def _checkpoints_itself(lora: bool) -> dict:
     return {**_same(run, train("llama", 3, "none", model=plain)), "warned": said}
 
 
-def features_grid() -> dict:
-    """Each feature beside checkpointing against the same run without it."""
+def features_grid(modes=("full", "selective")) -> dict:
+    """Each feature beside checkpointing (in ``modes``) against the same run without it,
+    and the models it leaves alone."""
     out = {}
-    for mode in ("full", "selective"):
+    for mode in modes:
         out[("lora", mode)] = _same(train("llama", 3, mode, model=_lora(build("llama"))),
                                     train("llama", 3, "none", model=_lora(build("llama"))))
         out[("compile", mode)] = _same(_compiled_runs(mode), _compiled_runs("none"))

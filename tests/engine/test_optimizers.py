@@ -18,7 +18,8 @@ MODELS = ("gpt", "hf_llama")
 
 
 def _grid2(root):
-    return {"parity": oc.parity_grid(MODELS, ("muon", "adafactor"), (1, 2, 3)),
+    # stages 1-2 at N = 2: zeroshard verify's grid (tests/parity); at N = 4: _grid4
+    return {"parity": oc.parity_grid(MODELS, ("muon", "adafactor"), (3,)),
             "lamb": oc.parity_grid(["gpt"], ["lamb"], (2,)),
             "features": oc.features_grid(), "ledger": oc.ledger_grid(),
             "checkpoint": oc.checkpoint_grid(root), "misuse": oc.misuse_grid(),
@@ -45,9 +46,9 @@ def grid4(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 @pytest.mark.parametrize("model", MODELS)
-def test_within_1e6_of_ddp_at_stages_1_to_3_n2(grid2, model, kind):
+def test_within_1e6_of_ddp_at_stage_3_n2(grid2, model, kind):
     r = grid2["parity"]
-    diffs = [r[(model, kind, s)]["ddp"] for s in (1, 2, 3)]
+    diffs = [r[(model, kind, 3)]["ddp"]]
     assert max(diffs) < TOL, diffs
     if kind == "muon":  # the very Newton-Schulz on the very matrix: the same bits
         assert max(diffs) == 0.0, diffs

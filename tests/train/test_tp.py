@@ -20,7 +20,7 @@ from zeroshard.spec.config import ZeroConfig
 from zeroshard.train.loop import train
 from zeroshard.train.settings import TrainConfig
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # N = 4
 
 BASE = dict(model="tiny", steps=6, batch=8, eval_every=3, eval_batches=1, sample_chars=0)
 

@@ -322,8 +322,8 @@ def main_grid(folder: str) -> dict:
     _run(results, "outputs", outputs, folder)
     _run(results, "best", best_model, folder)
     _run(results, "deepspeed", deepspeed, folder)
-    _run(results, "peft", peft_checkpointing, folder, (0, 3))
-    _run(results, "sft", sft, folder, (0, 3))
+    _run(results, "peft", peft_checkpointing, folder, (3,))  # 0-2: the wide grid
+    _run(results, "sft", sft, folder, (3,))
     _run(results, "grpo", grpo, folder, (3,))
     _run(results, "bf16", bf16, folder)
     _run(results, "refused", refused_optimizer, folder)
@@ -338,7 +338,7 @@ def wide_grid(folder: str) -> dict:
     results: dict = {}
     for model in ("llama", "gpt2"):
         _run(results, model, stages, folder, model, (0, 1, 2, 3))
-    _run(results, "peft", peft_checkpointing, folder, (1, 2))
+    _run(results, "peft", peft_checkpointing, folder, (0, 1, 2))
     _run(results, "sft", sft, folder, (0, 1, 2, 3))
     _run(results, "grpo", grpo, folder, (0, 1, 2))
     return results

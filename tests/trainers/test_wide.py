@@ -30,8 +30,8 @@ def test_both_models_at_every_stage(wide, model, stage):
     _matches(ok(wide[model])[stage])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_lora_with_checkpointing_at_stages_1_and_2(wide, stage):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_lora_with_checkpointing_at_stages_0_to_2(wide, stage):
     r = ok(wide["peft"])[stage]
     _matches(r)
     assert r["logits"] <= WEIGHTS

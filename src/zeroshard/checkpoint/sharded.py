@@ -208,6 +208,9 @@ def _agree_saved(model, problem: str | None, partial: Path) -> None:
     if first:
         if _first(model):
             shutil.rmtree(partial, ignore_errors=True)
+        # the others raise (and may save again) once it is gone, not while rank 0 removes
+        # it: half removed, it is no longer what a save leaves, and a retry refuses it
+        dist.barrier(group=model.mesh.control_group)
         raise SaveFailed(f"checkpoint not saved: {first}; the last complete checkpoint "
                          "beside it is untouched")
 
