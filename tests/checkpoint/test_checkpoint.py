@@ -296,6 +296,7 @@ def test_a_manifest_missing_keys_is_named(saved, tmp_path):
         assert unchanged
 
 
+@pytest.mark.slow
 def test_resuming_a_checkpoint_without_the_trainers_step_says_so(tmp_path, capfd):
     """A checkpoint the trainer did not write (zs.save without extra={"step": ...})."""
     base = ["train", "--model", "tiny", "--steps", "2", "--eval-every", "100",

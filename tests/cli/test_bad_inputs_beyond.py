@@ -141,6 +141,7 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks in /proc")
 def test_a_rank_killed_by_a_signal_is_named_by_the_launcher(tmp_path):
     """SIGKILL to rank 1 of a running `zeroshard train`: the one line names it and the

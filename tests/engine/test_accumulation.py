@@ -15,7 +15,7 @@ TOL = cases.TOL
 
 
 def _grid():
-    return {"parity": cases.parity_grid(["mlp", "gpt"], ["accum"]),
+    return {"parity": cases.parity_grid(["mlp", "gpt"], ["accum"], steps=10),
             "no_sync": cases.no_sync_grid(), "flag": cases.grad_sync_flag_grid()}
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.dist
 
 
 def _grid():
-    return {"parity": cases.parity_grid(["mlp", "gpt"], ["clip"]),
+    return {"parity": cases.parity_grid(["mlp", "gpt"], ["clip"], steps=10),
             "norms": cases.clip_norms("gpt")}
 
 

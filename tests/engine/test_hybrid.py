@@ -13,7 +13,7 @@ from zeroshard.runtime.unit import memory as unit_memory
 
 from . import engine_cases as cases
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # a scale-out grid
 
 GROUPINGS = (2, 1, 4)  # K: ranks per shard group (N = 4)
 

@@ -133,6 +133,7 @@ def test_granularity_benchmark(tmp_path, capsys):
     assert len(list(tmp_path.glob("granularity-*.png"))) == 3
 
 
+@pytest.mark.slow  # a whole trainer launch; the profiler's own tests stay above
 def test_train_profile_writes_trace_chart_and_plan(tmp_path, capfd):
     assert main(["train", "--model", "tiny", "--steps", "4", "--eval-every", "4",
                  "--sample-chars", "0", "--profile", str(tmp_path)]) == 0

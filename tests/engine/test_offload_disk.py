@@ -26,7 +26,7 @@ def _rows(state: dict) -> dict:
     tensor, as the optimizer's state dict gives them)."""
     return {n: (t.to_local() if isinstance(t, DTensor) else t).clone() for n, t in state.items()}
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # host offload: test_offload.py
 SUB = 1000  # elements per sub-group: the GPT case's rank holds 10 512, so 11 sub-groups
 
 

@@ -72,6 +72,7 @@ def _check(runs: dict) -> None:
         assert runs[mode]["traced"] < 0.9 * none, (mode, runs[mode]["traced"], none)
 
 
+@pytest.mark.slow  # a trainer launch; the engine's and the planner's tests are main
 def test_small_gpt_full_as_planned(tmp_path, capfd):
     """One mode in the main tier (``tests/plan/test_checkpointing.py`` holds every mode's
     activations to the profiler there)."""

@@ -392,6 +392,7 @@ def test_fp16_trains_with_dynamic_loss_scaling():
     assert all(x == x for x in losses) and losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 def test_the_traffic_table_plans_zeropp(capfd):
     """qwZ and qgZ: the planned row is the planner's quantized bytes, equal to the sent."""
     assert main(["train", "--nproc", "2", "--model", "tiny", "--steps", "2", "--batch", "4",
