@@ -48,8 +48,23 @@ def test_muon_bf16_at_stage_2_with_the_trainers_other_flags(tmp_path, capfd):
     assert "(the run accumulates 2)" in notes[1]
 
 
+def test_tensor_parallelism_against_the_plain_model(tmp_path, capfd):
+    """Each layer split over both ranks (GPT.TP_PLAN), ZeRO over the one data-parallel
+    rank left: the row-parallel layers sum partial products across ranks, so within
+    rounding, every tensor reassembled from its tp slices."""
+    code, out, _ = _run(["verify", "--model", "tiny", "--tp", "2", "--stage", "3",
+                         "--verify-steps", "3", "--json", str(tmp_path / "c.json")], capfd)
+    assert code == 0, out
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["verdict"] in ("bitwise", "within rounding"), data
+    assert "TP 2" in data["title"]
+    assert {c["category"] for c in data["categories"]} >= {
+        "gradients, step 1", "weights", "optimizer exp_avg", "optimizer exp_avg_sq"}
+    assert all(c["tensors"] == 36 for c in data["categories"] if c["category"] != "losses")
+
+
 @pytest.mark.parametrize("argv,line", [
-    (["--tp", "2"], "--tp=2: verify compares data-parallel ZeRO against the plain model"),
+    (["--tp", "3", "--nproc", "3"], "--tp=3 does not divide GPT small's 4 heads"),
     (["--verify-steps", "0"], "--verify-steps=0; expected a positive integer"),
     (["--mixed-precision", "fp16"], "--mixed-precision='fp16': verify replays fp32 and bf16"),
     (["--hidden", "30"], "--hidden=30 does not divide into GPT small's 4 heads"),

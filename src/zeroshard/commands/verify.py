@@ -52,11 +52,6 @@ def _checked(args, cfg) -> list[str]:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')}={value}; expected a positive "
                              "integer")
-    if cfg.tp > 1:
-        raise ValueError(f"tp={cfg.tp}: verify compares data-parallel ZeRO against the plain "
-                         "model; tensor parallelism is checked against the tp = 1 curve by "
-                         "the test suite (tests/train/test_tp.py), not by verify yet: check "
-                         "the same configuration at --tp 1")
     if cfg.init_from:
         raise ValueError(f"init_from={cfg.init_from!r}: verify builds the model from --model "
                          "or --hf-model (any initial weights check the same arithmetic); "
@@ -83,6 +78,7 @@ def run(args) -> int:
         TrainModel,
         TrainOptimizer,
         TrainSchedule,
+        TrainTPPlan,
         train_batches,
     )
     from ..parity.trial import Trial
@@ -92,11 +88,16 @@ def run(args) -> int:
         cfg = train_command.config_of(args)
         notes = _checked(args, cfg)
         source = model_source(cfg)
+        if cfg.tp > 1:  # the sizes it splits, before any rank starts
+            from ..spec.dims import check_tp_degree
+
+            check_tp_degree(cfg.tp, source.label, source.tp_sizes())
         shrink = Shrink(args.layers, args.hidden)
         batches = train_batches(cfg, args.verify_steps, source.vocab, source.seq_len)
         trial = Trial(TrainModel(cfg, shrink), TrainOptimizer(cfg), batches, cfg.zero,
                       cfg.nproc, TrainLoss(cfg), cfg.clip, TrainSchedule(cfg), cfg.seed,
-                      cfg.timeout * 2)
+                      cfg.timeout * 2, tp=cfg.tp,
+                      tp_plan=TrainTPPlan(cfg) if cfg.tp > 1 else None)
     label = source.label + (f" ({', '.join(_shrunk(shrink))})" if _shrunk(shrink) else "")
     console = Console()
     console.print(f"verify: {label}, {args.verify_steps} steps of {cfg.batch} sequences "

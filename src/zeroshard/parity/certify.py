@@ -29,7 +29,8 @@ _PLANNED = {"AdamW": "adamw", "Adam": "adamw", "SGD": "sgd", "Muon": "muon",
 def verify(build_model: Callable, build_optimizer: Callable, batches: Sequence,
            config=None, *, nproc: int = 2, loss: Callable = model_loss,
            clip: float | None = None, schedule: Callable[[int], float] | None = None,
-           seed: int = 0, timeout: float = 600.0, title: str | None = None) -> Certificate:
+           seed: int = 0, timeout: float = 600.0, title: str | None = None, tp: int = 1,
+           tp_plan: Callable | None = None) -> Certificate:
     """Run ``len(batches)`` steps of ``build_model()`` sharded by ``config`` (anything
     ``zs.shard`` takes: a ZeroConfig, a dict of its fields, a DeepSpeed config or a JSON
     path) on ``nproc`` processes, and the same steps of the unsharded model here, on the
@@ -38,13 +39,15 @@ def verify(build_model: Callable, build_optimizer: Callable, batches: Sequence,
     name (module-level functions, or ``functools.partial`` of them): the ranks are other
     processes. ``loss(model, batch)`` defaults to the model's own output (a scalar, or
     ``.loss``); ``clip`` clips the global gradient norm on both sides; ``schedule(step)``
-    is the learning rate's factor (torch's ``LambdaLR``), for every optimizer.
+    is the learning rate's factor (torch's ``LambdaLR``), for every optimizer. With
+    ``tp`` > 1 each layer is split over ``tp`` consecutive ranks by ``tp_plan(model)``
+    (torch's ``parallelize_module`` plan) and ZeRO runs over the ``nproc / tp`` others.
 
     Like any program that starts processes, call it from a script's
     ``if __name__ == "__main__":`` block: each rank imports the script again."""
     zero = ZeroConfig.load(config) if config is not None else ZeroConfig()
     trial = Trial(build_model, build_optimizer, list(batches), zero, nproc, loss, clip,
-                  schedule, seed, timeout)
+                  schedule, seed, timeout, tp=tp, tp_plan=tp_plan)
     return certify(trial, title)
 
 
@@ -55,7 +58,9 @@ def certify(trial: Trial, title: str | None = None, notes: list[str] | None = No
     zero, seed, nproc, timeout = trial.config, trial.seed, trial.nproc, trial.timeout
     # the reference first: a model or optimizer that cannot be built fails here, plainly
     reference = run_reference(trial)
-    nudged = run_reference(trial, nudge=seed + 1)
+    nudged = [run_reference(trial, nudge=seed + 1)]
+    if trial.tp > 1:  # tensor parallelism reorders the forward's and backward's own sums
+        nudged.append(run_reference(trial, exact=True))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
         sharded = spawn(run_rank, nproc, trial, backend=backend, timeout=timeout)[0]
@@ -82,6 +87,8 @@ def _planner_name(classes: list[str]) -> str | None:
 def _title(zero: ZeroConfig, nproc: int, opt_name: str | None, trial: Trial) -> str:
     recipe = zero.recipe.with_optimizer(opt_name) if opt_name else zero.recipe
     parts = [f"stage {zero.stage}", recipe.name, f"N = {nproc}", f"{trial.steps} steps"]
+    if trial.tp > 1:
+        parts.insert(2, f"TP {trial.tp}")
     if zero.offload:
         parts.append(f"offload {zero.offload}")
     if zero.activation_checkpointing not in (None, "none"):
@@ -138,6 +145,8 @@ def _comm(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
 
     steps = max(1, sharded.get("steps", 1))
     sent = sum(s["bytes"] for kind, s in sharded["comm"].items() if kind != "check")
+    if sharded["dims"].tp > 1:  # tensor parallelism's own traffic needs the architecture
+        return {"measured": sent / steps, "planned": None}
     params = sum(sharded["units"])
     trainable = sharded["trainable"] if sharded["trainable"] < params else None
     planned = planned_comm(params, sharded["dims"], zero, 1, sharded["units"], trainable)

@@ -95,6 +95,23 @@ class TrainModel:
 
 
 @dataclass(frozen=True)
+class TrainTPPlan:
+    """``tp_plan``: the trainer's tensor-parallel plan of the built model (the built-in
+    GPT's ``GPT.TP_PLAN``, or the one transformers ships for the model)."""
+
+    cfg: TrainConfig
+
+    def __call__(self, model: nn.Module) -> dict:
+        from ..models.tpplan import hf_plan
+
+        if self.cfg.hf_model:
+            return hf_plan(model)
+        from ..models.gpt import GPT
+
+        return GPT.TP_PLAN
+
+
+@dataclass(frozen=True)
 class TrainOptimizer:
     """``build_optimizer``: ``--optimizer`` as the trainer builds it."""
 

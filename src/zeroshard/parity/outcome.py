@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -64,8 +65,15 @@ def optimizer_state(optimizers: list, names: dict[int, str]) -> dict:
 def read_checkpoint(path: str) -> tuple[dict, dict]:
     """(weights, optimizer state by key) of a zeroshard checkpoint, each tensor whole:
     every file's rows joined in row order (``checkpoint/sharded.py``'s [Note: format]);
-    a state alike on every rank (the file's ``whole`` list) and scalars from one file."""
+    a state alike on every rank (the file's ``whole`` list) and scalars from one file.
+    Written beside tensor parallelism, each file's rows are a box of the full tensor
+    (:func:`_read_boxes`)."""
+    from ..checkpoint.sanity import MANIFEST
     from ..checkpoint.tensorfile import TensorFile
+
+    manifest = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
+    if manifest.get("tp", 1) > 1:
+        return _read_boxes(path, manifest)
 
     pieces: dict[str, list] = {}
     for fname in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
@@ -89,4 +97,46 @@ def read_checkpoint(path: str) -> tuple[dict, dict]:
             state.setdefault(skey, {})[name] = t
         else:
             weights[name] = t
+    return weights, state
+
+
+def _read_boxes(path: str, manifest: dict) -> tuple[dict, dict]:
+    """A checkpoint written beside tensor parallelism read whole: each parameter, and
+    each optimizer state shaped as its rows (Adam's moments, Muon's momentum), placed
+    from every file's box ([Note: checkpoints across tp degrees] in
+    ``checkpoint/tplayout.py``); a step count from one file. A state of another shape
+    (Adafactor's factored statistics) is left out of the comparison."""
+    from ..checkpoint.tensorfile import TensorFile
+    from ..checkpoint.tplayout import pieces, place
+
+    files = {f: TensorFile(os.path.join(path, f)) for f in manifest["files"]}
+    keys: dict[str, set] = {}
+    for f in files.values():
+        for key in f.keys():
+            if not key.startswith("__") and not key.endswith("::buffer"):
+                keys.setdefault(key.split("::")[0], set()).add(key)
+    weights: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name, meta in manifest["params"].items():
+        shape = tuple(meta["shape"])
+        want = {0: (0, shape[0] if shape else 1)}
+        for key in sorted(keys.get(name, ())):
+            held = [(files[f], fa, fb, have, common)
+                    for f, fa, fb, have, common in pieces(manifest, name, want)]
+            first = held[0][0]
+            if not first.shape(key):  # a step count
+                value = first.rows(key)
+            else:
+                try:
+                    value = torch.empty(shape or (1,), dtype=first.rows(key, 0, 1).dtype)
+                    for f, fa, fb, have, common in held:
+                        place(value, want, f.rows(key, fa, fb), have, common)
+                except RuntimeError:  # not shaped as the parameter's rows
+                    continue
+                value = value.reshape(shape)
+            name_, _, skey = key.partition("::")
+            if skey:
+                state.setdefault(skey, {})[name_] = value
+            else:
+                weights[name_] = value
     return weights, state

@@ -23,38 +23,46 @@ from .trial import Trial, on_device, rows_of
 
 
 def _grad_rows(model) -> dict:
-    """This rank's rows of every reduced gradient: name -> (first row, rows [r, ...])."""
+    """This rank's rows of every reduced gradient: name -> (tp rank, first row of its
+    local slice, rows [r, ...], the entry's split) ([Note: checkpoints across tp
+    degrees] in ``checkpoint/tplayout.py``: a tp rank holds a slice of dim d)."""
     from ..checkpoint.sharded import entries
 
     out = {}
     for e in entries(model):
         g = e.shard.grad
-        if g is None or not e.count:
-            continue
-        full_rows = e.shape[0] if e.shape else 1
+        if g is None or not e.count or (e.tp_rank and e.tp_dim is None):
+            continue  # (a parameter tensor parallelism leaves whole: tp rank 0's)
         rows = g.detach().reshape(-1, e.row).float().cpu()
-        if rows.shape[0] == full_rows:  # a whole gradient (stage 0)
-            out[e.name] = (0, rows, e.shape)
+        split = (e.shape, e.tp_dim, e.local_shape)
+        if rows.shape[0] == e.rows:  # a whole gradient (stage 0)
+            out[e.name] = (e.tp_rank, 0, rows, split)
         else:  # this rank's rows of it, padding aside
-            out[e.name] = (e.first, rows[:e.count], e.shape)
+            out[e.name] = (e.tp_rank, e.first, rows[:e.count], split)
     return out
 
 
 def _gather_grads(model) -> dict | None:
-    """Every rank's gradient rows joined on rank 0 (None elsewhere): full tensors."""
+    """Every rank's gradient rows joined on rank 0 (None elsewhere): each tp rank's
+    local slice from its rows, then the slices joined on their dim."""
     mine = _grad_rows(model)
     every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, every, dst=0)
     if every is None:
         return None
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    shapes = {}
+    pieces: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+    splits = {}
     for part in every:
-        for name, (first, rows, shape) in part.items():
-            pieces.setdefault(name, {})[first] = rows
-            shapes[name] = shape
-    return {name: torch.cat([p[k] for k in sorted(p)]).reshape(shapes[name])
-            for name, p in pieces.items()}
+        for name, (t, first, rows, split) in part.items():
+            pieces.setdefault(name, {}).setdefault(t, {})[first] = rows
+            splits[name] = split
+    out = {}
+    for name, by_tp in pieces.items():
+        shape, dim, local_shape = splits[name]
+        slices = [torch.cat([rows[k] for k in sorted(rows)]).reshape(local_shape)
+                  for _, rows in sorted(by_tp.items())]
+        out[name] = slices[0].reshape(shape) if dim is None else torch.cat(slices, dim)
+    return out
 
 
 def _step_memory(model, optimizer, held: dict) -> None:
@@ -66,6 +74,22 @@ def _step_memory(model, optimizer, held: dict) -> None:
         lambda o, a, k: held.update(optimizer=model.memory(opt_arg(opts))["optimizer"]))
 
 
+def _sharded(module, trial: Trial):
+    """``zs.shard`` of the trial's model; beside tensor parallelism, first parallelized
+    by its plan over the ``"tp"`` dim of a ``(dp, tp)`` mesh (as ``zeroshard train
+    --tp`` does: ``train/hfmodel.py``)."""
+    from ..api import shard
+
+    if trial.tp == 1:
+        return shard(module, config=trial.config)
+    from ..models.tpplan import parallelize
+    from ..runtime.mesh import tensor_parallel_mesh
+
+    mesh = tensor_parallel_mesh(trial.tp, trial.config.shard_group)
+    parallelize(module, mesh["tp"], trial.tp_plan(module))
+    return shard(module, config=trial.config, mesh=mesh)
+
+
 def opt_arg(opts: list):
     """``model.memory``'s optimizer argument: one optimizer, or the list."""
     return opts[0] if len(opts) == 1 else opts
@@ -73,7 +97,6 @@ def opt_arg(opts: list):
 
 def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
     """This rank's part (``runtime/spawn.py`` calls it on every rank); rank 0's result."""
-    from ..api import shard
     from ..checkpoint import save
     from ..runtime.dist import default_device
 
@@ -82,7 +105,7 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
     module = trial.build_model()
     quiet_dropout(module)
     module.train()
-    model = shard(module, config=trial.config)
+    model = _sharded(module, trial)
     optimizer = trial.build_optimizer(model)
     opts = optimizers_of(optimizer)
     schedules = trial.schedules(opts)
@@ -94,9 +117,10 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
         dp_rank, dp_world = model.mesh.dp_rank, model.mesh.dp_world
         loss = trial.loss(model, on_device(rows_of(batch, dp_rank, dp_world), device))
         loss.backward()
-        losses = [None] * world
-        dist.all_gather_object(losses, loss.detach().float().cpu().reshape(()))
-        outcome.losses.update({f"step {k + 1}, rank {r}": v for r, v in enumerate(losses)})
+        losses = [None] * world  # a tensor-parallel group's ranks share their rows
+        dist.all_gather_object(losses, (dp_rank, model.mesh.tp_rank,
+                                        loss.detach().float().cpu().reshape(())))
+        outcome.losses.update({f"step {k + 1}, rank {r}": v for r, t, v in losses if not t})
         if k == 0:
             outcome.grads = _gather_grads(model) or {}
         if k == trial.steps - 1:
@@ -117,14 +141,15 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
         if rank:
             return None
         outcome.weights, outcome.state = read_checkpoint(f"{shared[0]}/ckpt")
-    units = [sum(local(p).numel() for p in u.params) for u in model.units]
-    full = {id(shard): tuple(local(u.params[i]).shape) for u in model.units
+    tp = model.mesh.tp_world  # the planner counts tp x a rank's (plan/tp.py)
+    units = [tp * sum(local(p).numel() for p in u.params) for u in model.units]
+    full = {id(shard): tuple(u.params[i].shape) for u in model.units
             for i, shard in enumerate(u.shards) if shard is not None}
     stepped = [[full[id(p)] for g in o.param_groups for p in g["params"] if id(p) in full]
                for o in opts]
     trainable = sum(u.params[i].numel() for u in model.units for i in u.trainable)
     return {"outcome": outcome, "memory": held, "comm": comm, "units": units,
-            "trainable": trainable, "shapes": [tuple(local(p).shape) for u in model.units
+            "trainable": trainable, "shapes": [tuple(p.shape) for u in model.units
                                                for p in u.params],
             "dims": model.mesh.dims, "steps": trial.steps, "stepped": stepped,
             "optimizers": [type(o).__name__ for o in opts]}

@@ -104,6 +104,13 @@ class Trial:
     """The seed ``build_model`` runs under."""
     timeout: float = 600.0
     """Seconds the sharded side may take before it is stopped and reported."""
+    tp: int = 1
+    """Tensor-parallel degree of the sharded side: each layer split over ``tp``
+    consecutive ranks by ``tp_plan``, ZeRO over the ``nproc / tp`` data-parallel ones,
+    which read the batch's rows (a tensor-parallel group reads the same)."""
+    tp_plan: Callable | None = None
+    """``tp_plan(model)``: torch's ``parallelize_module`` plan for the built model (the
+    built-in GPT's ``GPT.TP_PLAN``, transformers' for a Hugging Face model)."""
     names: dict = field(default_factory=dict)
     """What to call the run in the report: ``model``, ``optimizer`` (filled in if absent)."""
 
@@ -115,13 +122,21 @@ class Trial:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not callable")
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
             raise ValueError(f"nproc={self.nproc!r}; expected a positive integer")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1 or (
+                self.nproc % self.tp):
+            raise ValueError(f"tp={self.tp!r}; expected a divisor of nproc={self.nproc}")
+        if self.tp > 1 and not callable(self.tp_plan):
+            raise ValueError(f"tp={self.tp} needs tp_plan, a function of the model giving "
+                             "torch's parallelize_module plan")
         if not len(self.batches):
             raise ValueError("batches is empty; give one global batch per step to check")
         for k, batch in enumerate(self.batches):
             rows = _batch_rows(batch, k)
-            if rows % self.nproc:
+            if rows % self.dp_world:
+                ranks = f"the {self.dp_world} data-parallel ranks" if self.tp > 1 else \
+                    f"nproc={self.nproc}"
                 raise ValueError(f"batches[{k}] has {rows} rows, which do not divide over "
-                                 f"nproc={self.nproc}; give a multiple of {self.nproc}")
+                                 f"{ranks}; give a multiple of {self.dp_world}")
         if self.clip is not None and not (self.clip > 0):
             raise ValueError(f"clip={self.clip!r}; expected a positive number or None")
         config = self.config
@@ -134,6 +149,11 @@ class Trial:
                              "to int8 blocks by design, so no run with them computes what the "
                              "unsharded model computes: verify the configuration without "
                              "them (bench/quantized_drift.py measures their drift)")
+
+    @property
+    def dp_world(self) -> int:
+        """The data-parallel ranks: each reads its rows of every batch."""
+        return self.nproc // self.tp
 
     @property
     def steps(self) -> int:

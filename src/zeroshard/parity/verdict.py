@@ -80,12 +80,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return diff, diff / scale if scale else float("inf")
 
 
-def _worst(ours: dict, ref: dict, nudged: dict, u: float, exact: bool) -> tuple:
+def _worst(ours: dict, ref: dict, nudged: list[dict], u: float, exact: bool) -> tuple:
     """(largest abs, rel of the worst tensor, its name, its bound, its floor, every tensor
     equal): the worst tensor is the one furthest past its own bound, each tensor's bound
     ``16 × its floor + 4·u`` (``exact``: 0)."""
     largest_abs, worst, equal = 0.0, None, True
-    floors = {name: 0.0 if exact else _rel(nudged[name], b)[1] for name, b in ref.items()}
+    floors = {name: 0.0 if exact else max([_rel(n[name], b)[1] for n in nudged if name in n]
+                                          or [0.0])
+              for name, b in ref.items()}
     if all(b.dim() == 0 for b in ref.values()) and floors:  # losses: one scale, one floor
         floors = dict.fromkeys(floors, max(floors.values()))
     for name, b in ref.items():
@@ -110,8 +112,11 @@ def _dtype_of(category: str, recipe) -> str:
     return recipe.master_dtype or recipe.param_dtype
 
 
-def compare_category(category: str, ours: dict, ref: dict, nudged: dict, recipe) -> Difference:
-    """One category's :class:`Difference` (``nudged``: the nudged reference's tensors)."""
+def compare_category(category: str, ours: dict, ref: dict, nudged, recipe) -> Difference:
+    """One category's :class:`Difference` (``nudged``: the tensors of the references
+    whose distance from ``ref`` is the floor: the nudged one, and beside tensor
+    parallelism the exact one; one dict or a list of them)."""
+    nudged = nudged if isinstance(nudged, list) else [nudged]
     missing = sorted(set(ref) - set(ours))
     extra = sorted(set(ours) - set(ref))
     if missing or extra:
@@ -134,14 +139,16 @@ def compare_category(category: str, ours: dict, ref: dict, nudged: dict, recipe)
     return Difference(category, len(ref), d_abs, d_rel, where, bound, floor, verdict, note)
 
 
-def compare(ours: Outcome, ref: Outcome, nudged: Outcome, recipe) -> list[Difference]:
-    """Every category's difference, in the report's order."""
-    mine, theirs, wobbled = ours.categories(), ref.categories(), nudged.categories()
+def compare(ours: Outcome, ref: Outcome, nudged, recipe) -> list[Difference]:
+    """Every category's difference, in the report's order (``nudged``: the floor's
+    reference, or a list of them)."""
+    floors = [n.categories() for n in (nudged if isinstance(nudged, list) else [nudged])]
+    mine, theirs = ours.categories(), ref.categories()
     rows = []
     for category in dict.fromkeys([*theirs, *mine]):
         rows.append(compare_category(category, mine.get(category, {}),
-                                     theirs.get(category, {}), wobbled.get(category, {}),
-                                     recipe))
+                                     theirs.get(category, {}),
+                                     [f.get(category, {}) for f in floors], recipe))
     return rows
 
 
