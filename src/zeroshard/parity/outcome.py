@@ -92,12 +92,18 @@ def read_checkpoint(path: str) -> tuple[dict, dict]:
     for key, parts in pieces.items():
         parts.sort(key=lambda p: p[0])
         t = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
-        name, _, skey = key.partition("::")
-        if skey:
-            state.setdefault(skey, {})[name] = t
-        else:
-            weights[name] = t
+        _put(weights, state, key, t)
     return weights, state
+
+
+def _put(weights: dict, state: dict, key: str, value: torch.Tensor) -> None:
+    """A checkpoint's tensor ``key`` — ``name`` (the weights) or ``name::state key`` —
+    into its place."""
+    name, _, skey = key.partition("::")
+    if skey:
+        state.setdefault(skey, {})[name] = value
+    else:
+        weights[name] = value
 
 
 def _read_boxes(path: str, manifest: dict) -> tuple[dict, dict]:
@@ -134,9 +140,5 @@ def _read_boxes(path: str, manifest: dict) -> tuple[dict, dict]:
                 except RuntimeError:  # not shaped as the parameter's rows
                     continue
                 value = value.reshape(shape)
-            name_, _, skey = key.partition("::")
-            if skey:
-                state.setdefault(skey, {})[name_] = value
-            else:
-                weights[name_] = value
+            _put(weights, state, key, value)
     return weights, state
