@@ -33,7 +33,7 @@ def _ref():
 
 def test_equal_tensors_are_bitwise():
     ref = _ref()
-    d = compare_category("weights", {k: v.clone() for k, v in ref.items()}, ref, ref, RECIPE)
+    d = compare_category("weights", {k: v.clone() for k, v in ref.items()}, ref, [ref], RECIPE)
     assert d.verdict == BITWISE and d.abs_diff == d.rel_diff == 0
 
 
@@ -43,11 +43,11 @@ def test_a_difference_within_the_floor_is_rounding_and_past_it_differs():
     floor = (nudged["a"] - ref["a"]).abs().max() / ref["a"].abs().max()
     bound = FLOOR_MARGIN * floor.item() + ULP_MARGIN * U
     near = {"a": ref["a"] * (1 + 5e-6), "b": ref["b"].clone()}
-    d = compare_category("weights", near, ref, nudged, RECIPE)
+    d = compare_category("weights", near, ref, [nudged], RECIPE)
     assert d.verdict == ROUNDING and d.where == "a" and d.rel_diff <= d.bound
     assert d.bound == pytest.approx(bound, rel=1e-3)
     far = {"a": ref["a"].clone(), "b": ref["b"] * 1.001}
-    d = compare_category("weights", far, ref, nudged, RECIPE)
+    d = compare_category("weights", far, ref, [nudged], RECIPE)
     assert d.verdict == DIFFERS and d.where == "b" and d.rel_diff == pytest.approx(1e-3, rel=1e-3)
 
 
@@ -58,22 +58,22 @@ def test_a_noise_tensor_is_held_to_its_own_floor():
     ref["noise"] = torch.full((4,), 1e-12)
     nudged = {**ref, "noise": torch.full((4,), -1e-12)}
     ours = {**ref, "noise": torch.full((4,), 5e-13), "a": ref["a"] * 1.01}
-    d = compare_category("gradients, step 1", ours, ref, nudged, RECIPE)
+    d = compare_category("gradients, step 1", ours, ref, [nudged], RECIPE)
     assert d.verdict == DIFFERS and d.where == "a"
 
 
 def test_missing_tensors_and_shapes_differ_with_a_note():
     ref = _ref()
-    d = compare_category("weights", {"a": ref["a"]}, ref, ref, RECIPE)
+    d = compare_category("weights", {"a": ref["a"]}, ref, [ref], RECIPE)
     assert d.verdict == DIFFERS and d.where == "b" and "lacks 1 tensor" in d.note
-    d = compare_category("weights", {"a": ref["a"].T, "b": ref["b"]}, ref, ref, RECIPE)
+    d = compare_category("weights", {"a": ref["a"].T, "b": ref["b"]}, ref, [ref], RECIPE)
     assert d.verdict == DIFFERS and "shape (4, 8)" in d.note
 
 
 def test_initial_weights_allow_no_difference():
     ref = _ref()
     ours = {k: torch.nextafter(v, torch.full_like(v, 10.0)) for k, v in ref.items()}
-    d = compare_category("initial weights", ours, ref, ref, RECIPE)
+    d = compare_category("initial weights", ours, ref, [ref], RECIPE)
     assert d.verdict == DIFFERS and d.bound == 0 and "build_model" in d.note
 
 
@@ -82,7 +82,7 @@ def test_the_worst_category_decides_and_the_certificate_says_it():
                   losses={"step 1, rank 0": torch.tensor(2.5)})
     ours = Outcome(initial=_ref(), weights={**_ref(), "b": _ref()["b"] * 2}, grads=_ref(),
                    losses={"step 1, rank 0": torch.tensor(2.5)})
-    rows = compare(ours, ref, ref, RECIPE)
+    rows = compare(ours, ref, [ref], RECIPE)
     assert [r.verdict for r in rows] == [BITWISE, BITWISE, BITWISE, DIFFERS]
     assert overall(rows) == DIFFERS and overall(rows[:3]) == BITWISE
     cert = Certificate(overall(rows), rows, "t", "r")

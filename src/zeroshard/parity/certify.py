@@ -96,12 +96,17 @@ def _title(zero: ZeroConfig, nproc: int, opt_name: str | None, trial: Trial) -> 
     return ", ".join(parts)
 
 
+def _with_optimizer(zero: ZeroConfig, opt_name: str) -> ZeroConfig:
+    """``zero`` with its recipe's state counted for the planner's optimizer ``opt_name``."""
+    from dataclasses import replace
+
+    return replace(zero, mixed_precision=zero.recipe.with_optimizer(opt_name))
+
+
 def _memory(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
     """Rank 0's bytes by category, measured by the ledger at the last step, beside the
     planner's for the same layout (weights, grads and optimizer; the rest is measured
     only)."""
-    from dataclasses import replace
-
     from ..plan.placement import model_state_bytes
 
     held = sharded["memory"]
@@ -109,7 +114,7 @@ def _memory(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
     params = sum(sharded["units"])
     trainable = sharded["trainable"] if sharded["trainable"] < params else None
     if opt_name is not None:
-        config = replace(zero, mixed_precision=zero.recipe.with_optimizer(opt_name))
+        config = _with_optimizer(zero, opt_name)
         try:
             planned = model_state_bytes(params, sharded["dims"], config, trainable=trainable,
                                         shapes=_as_planned(sharded, opt_name))
@@ -138,8 +143,6 @@ def _comm(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
     """Bytes rank 0 sent per step (the engine's checks aside) beside the planner's: the
     stage's collectives, and the optimizer's own (Muon's owner computes over the
     matrices Muon steps, Adafactor's and LAMB's sums)."""
-    from dataclasses import replace
-
     from ..plan.comm import optimizer_comm
     from ..train.report import planned_comm
 
@@ -151,7 +154,7 @@ def _comm(sharded: dict, zero: ZeroConfig, opt_name: str | None) -> dict:
     trainable = sharded["trainable"] if sharded["trainable"] < params else None
     planned = planned_comm(params, sharded["dims"], zero, 1, sharded["units"], trainable)
     if opt_name is not None:
-        config = replace(zero, mixed_precision=zero.recipe.with_optimizer(opt_name))
+        config = _with_optimizer(zero, opt_name)
         own = [s for name, s in zip(sharded["optimizers"], sharded["stepped"], strict=True)
                if _PLANNED.get(name) == opt_name]
         planned += optimizer_comm([s for shapes in own for s in shapes], sharded["dims"],

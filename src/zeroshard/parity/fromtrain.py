@@ -152,12 +152,12 @@ class TrainLoss:
 
 def train_batches(cfg: TrainConfig, steps: int, vocab: int, seq_len: int) -> list:
     """The first ``steps`` global batches the trainer would read, whole."""
-    from ..train.datasource import _prepare, open_source
+    from ..train.datasource import open_source, tokenized
 
     if cfg.data:  # tokenized once (cached beside the data), as the launcher does
         from ..corpus import open_corpus
 
-        corpus = open_corpus(_prepare(cfg, vocab, seq_len, progress=False), seq_len)
+        corpus = open_corpus(tokenized(cfg, vocab, seq_len, progress=False), seq_len)
     else:
         corpus = open_source(cfg, vocab, seq_len, 0)
     return [corpus.batch("train", cfg.seed, k, cfg.batch, seq_len, part=slice(0, cfg.batch))

@@ -95,7 +95,7 @@ def opt_arg(opts: list):
     return opts[0] if len(opts) == 1 else opts
 
 
-def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
+def run_rank(trial: Trial) -> dict | None:
     """This rank's part (``runtime/spawn.py`` calls it on every rank); rank 0's result."""
     from ..checkpoint import save
     from ..runtime.dist import default_device
@@ -134,8 +134,7 @@ def run_rank(trial: Trial, folder: str | None = None) -> dict | None:
             s.step()
     comm = model.comm_stats(reset=True)
     with tempfile.TemporaryDirectory(prefix="zeroshard-verify-") as tmp:
-        path = folder or tmp
-        shared = [path]
+        shared = [tmp]
         dist.broadcast_object_list(shared, src=0)  # rank 0's folder, on one machine
         save(model, opt_arg(opts), f"{shared[0]}/ckpt")
         if rank:

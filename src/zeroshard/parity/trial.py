@@ -11,7 +11,7 @@ on both sides and only the reductions across ranks can differ (``verdict.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -111,8 +111,6 @@ class Trial:
     tp_plan: Callable | None = None
     """``tp_plan(model)``: torch's ``parallelize_module`` plan for the built model (the
     built-in GPT's ``GPT.TP_PLAN``, transformers' for a Hugging Face model)."""
-    names: dict = field(default_factory=dict)
-    """What to call the run in the report: ``model``, ``optimizer`` (filled in if absent)."""
 
     def __post_init__(self) -> None:
         if self.schedule is not None and not callable(self.schedule):

@@ -112,11 +112,11 @@ def _dtype_of(category: str, recipe) -> str:
     return recipe.master_dtype or recipe.param_dtype
 
 
-def compare_category(category: str, ours: dict, ref: dict, nudged, recipe) -> Difference:
+def compare_category(category: str, ours: dict, ref: dict, nudged: list[dict],
+                     recipe) -> Difference:
     """One category's :class:`Difference` (``nudged``: the tensors of the references
     whose distance from ``ref`` is the floor: the nudged one, and beside tensor
-    parallelism the exact one; one dict or a list of them)."""
-    nudged = nudged if isinstance(nudged, list) else [nudged]
+    parallelism the exact one)."""
     missing = sorted(set(ref) - set(ours))
     extra = sorted(set(ours) - set(ref))
     if missing or extra:
@@ -139,10 +139,10 @@ def compare_category(category: str, ours: dict, ref: dict, nudged, recipe) -> Di
     return Difference(category, len(ref), d_abs, d_rel, where, bound, floor, verdict, note)
 
 
-def compare(ours: Outcome, ref: Outcome, nudged, recipe) -> list[Difference]:
-    """Every category's difference, in the report's order (``nudged``: the floor's
-    reference, or a list of them)."""
-    floors = [n.categories() for n in (nudged if isinstance(nudged, list) else [nudged])]
+def compare(ours: Outcome, ref: Outcome, nudged: list[Outcome], recipe) -> list[Difference]:
+    """Every category's difference, in the report's order (``nudged``: the references
+    the floor is measured from)."""
+    floors = [n.categories() for n in nudged]
     mine, theirs = ours.categories(), ref.categories()
     rows = []
     for category in dict.fromkeys([*theirs, *mine]):

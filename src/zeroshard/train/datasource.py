@@ -21,7 +21,7 @@ from .settings import TrainConfig
 ENV = "ZEROSHARD_TRAIN_CORPUS"
 
 
-def _prepare(cfg: TrainConfig, vocab: int, seq_len: int, progress: bool):
+def tokenized(cfg: TrainConfig, vocab: int, seq_len: int, progress: bool):
     """``prepare_corpus`` for ``cfg`` (a bad input is its DataError, a ValueError: one
     line)."""
     from ..corpus import prepare_corpus
@@ -39,7 +39,7 @@ def prepare(cfg: TrainConfig, vocab: int, seq_len: int) -> Path | None:
     if not cfg.data:
         return None
     # the bar on a terminal only: in a log it is a stale line beside the run's own
-    info = _prepare(cfg, vocab, seq_len, progress=sys.stderr.isatty())
+    info = tokenized(cfg, vocab, seq_len, progress=sys.stderr.isatty())
     folder = Path(tempfile.mkdtemp(prefix="zeroshard-corpus-"))
     path = folder / "corpus.json"
     path.write_text(info.to_json(), encoding="utf-8")
@@ -60,9 +60,9 @@ def open_source(cfg: TrainConfig, vocab: int, seq_len: int, rank: int):
     if ENV in os.environ:
         info = PreparedCorpus.from_json(Path(os.environ[ENV]).read_text(encoding="utf-8"))
     else:  # torchrun: rank 0 tokenizes, the others then read its cache
-        info = _prepare(cfg, vocab, seq_len, progress=sys.stderr.isatty()) if rank == 0 \
+        info = tokenized(cfg, vocab, seq_len, progress=sys.stderr.isatty()) if rank == 0 \
             else None
         dist.barrier()
         if rank:
-            info = _prepare(cfg, vocab, seq_len, progress=False)
+            info = tokenized(cfg, vocab, seq_len, progress=False)
     return open_corpus(info, seq_len)
